@@ -1,0 +1,1 @@
+"""The inference engine: checkpoints in, streamed tokens out."""

@@ -1,0 +1,84 @@
+"""Weights in their checkpoint formats, and the dequantize references for each.
+
+A linear weight is one of three frozen records. They keep the bytes exactly as the checkpoint
+stores them; the kernels read them directly on CUDA, and `dequantize` (a slow, exact reference)
+serves the CPU path and the tests. Leading dims `...` are empty for a plain linear and [E] for
+a stack of experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# E2M1 code -> value; bit 3 is the sign (OCP Microscaling Formats v1.0, section 5.3.3).
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class DenseWeight:
+    """weight: [..., N, K] bf16/fp16/fp32."""
+
+    weight: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """weight: [..., N, K] float8_e4m3fn; W = weight * scale, with scale (float32) of shape
+      channel: [..., N, 1];  tensor: [..., 1, 1];
+      block:   [..., ceil(N / bn), ceil(K / bk)] for block=(bn, bk); edge blocks are partial.
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        w = self.weight.to(torch.float32)
+        s = self.scale.to(torch.float32)
+        if self.block is not None:
+            bn, bk = self.block
+            n, k = w.shape[-2:]
+            s = s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+        return (w * s).to(dtype)
+
+
+@dataclass(frozen=True)
+class Mxfp4Weight:
+    """blocks: [..., N, K/32, 16] uint8, two E2M1 codes a byte, low nibble first (element 2j in
+    the low 4 bits); scales: [..., N, K/32] uint8 E8M0, one power of two 2^(s - 127) per 32 values."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, n, kb, _ = self.blocks.shape
+        return (*lead, n, kb * MXFP4_BLOCK)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=self.blocks.device)
+        b = self.blocks.to(torch.int64)
+        values = torch.stack((lut[b & 0x0F], lut[b >> 4]), dim=-1).flatten(-2)  # [..., N, K/32, 32]
+        exponent = self.scales.to(torch.int32) - 127
+        w = torch.ldexp(values, exponent.unsqueeze(-1).to(torch.float32))
+        return w.flatten(-2).to(dtype)
+
+
+LinearWeight = DenseWeight | Fp8Weight | Mxfp4Weight
+
+
+def dequantize(w: LinearWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return w.dequantize(dtype)
