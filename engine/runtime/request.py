@@ -1,0 +1,142 @@
+"""The engine's public request and stream types: what app/ (UI, API, CLI) sends and receives.
+
+Nothing here knows about tensors; app/ imports only this module and `engine.py`.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass, field
+from typing import Iterator, Literal, Protocol, Union
+
+from PIL import Image
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image as the user gave it; `sha256` of the encoded bytes keys the prefix cache and history."""
+
+    image: Image.Image
+    sha256: str
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "ImagePart":
+        img = Image.open(io.BytesIO(data))
+        img.load()
+        return cls(img.convert("RGB"), hashlib.sha256(data).hexdigest())
+
+    @classmethod
+    def from_path(cls, path: str) -> "ImagePart":
+        with open(path, "rb") as f:
+            return cls.from_bytes(f.read())
+
+
+Part = Union[TextPart, ImagePart]
+
+
+@dataclass(frozen=True)
+class Message:
+    """role: "system" | "user" | "assistant". `reasoning` is an assistant turn's thinking text."""
+
+    role: Literal["system", "user", "assistant"]
+    content: tuple[Part, ...]
+    reasoning: str | None = None
+
+    @classmethod
+    def text(cls, role: str, text: str) -> "Message":
+        return cls(role, (TextPart(text),))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 1024
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """thinking: GLM thinking on/off. reasoning_effort: gpt-oss "low" | "medium" | "high"."""
+
+    messages: tuple[Message, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    thinking: bool = True
+    reasoning_effort: str = "medium"
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New answer text, new reasoning text and the token ids that produced them."""
+
+    text: str = ""
+    reasoning: str = ""
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds. ttft = image_encode + prefill + first_token."""
+
+    image_encode: float = 0.0
+    prefill: float = 0.0
+    first_token: float = 0.0
+    decode: float = 0.0
+    decode_tokens_per_s: float = 0.0
+
+    @property
+    def ttft(self) -> float:
+        return self.image_encode + self.prefill + self.first_token
+
+
+@dataclass(frozen=True)
+class Final:
+    """The last item of every stream. finish_reason: "stop" | "length" | "abort" | "error"."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    timings: Timings
+    prompt_token_ids: tuple[int, ...] = ()
+    error: str | None = None
+
+
+StreamItem = Union[Delta, Final]
+
+
+class RequestStream(Protocol):
+    """Iterate for Deltas, then exactly one Final. `close()` aborts the request in the engine."""
+
+    def __iter__(self) -> Iterator[StreamItem]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    family: str
+    context_length: int
+    supports_images: bool
+    reasoning: Literal["thinking", "effort"]
+    placement: str = "cpu"
+    weights_bytes: int = 0
+
+
+class ChatEngine(Protocol):
+    """What app/ needs: the in-process engine and the remote OpenAI-compatible backend both fit."""
+
+    def info(self) -> ModelInfo: ...
+
+    def submit(self, request: ChatRequest) -> RequestStream: ...
