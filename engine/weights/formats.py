@@ -26,6 +26,10 @@ class DenseWeight:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.weight.shape)
 
+    def __getitem__(self, index) -> "DenseWeight":
+        """Index the leading (expert) dims: w[e] is expert e's [N, K] weight."""
+        return DenseWeight(self.weight[index])
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.weight.to(dtype)
 
@@ -44,6 +48,9 @@ class Fp8Weight:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.weight.shape)
+
+    def __getitem__(self, index) -> "Fp8Weight":
+        return Fp8Weight(self.weight[index], self.scale[index], self.block)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         w = self.weight.to(torch.float32)
@@ -67,6 +74,9 @@ class Mxfp4Weight:
     def shape(self) -> tuple[int, ...]:
         *lead, n, kb, _ = self.blocks.shape
         return (*lead, n, kb * MXFP4_BLOCK)
+
+    def __getitem__(self, index) -> "Mxfp4Weight":
+        return Mxfp4Weight(self.blocks[index], self.scales[index])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=self.blocks.device)

@@ -1,0 +1,19 @@
+"""RMSNorm in the two flavours the supported checkpoints were trained with, and LayerNorm."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_first: bool = False) -> torch.Tensor:
+    """x [..., D]. Statistics in float32. weight_first=True multiplies by the weight in float32
+    before casting back (gpt-oss); False casts first, then multiplies (GLM)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_first:
+        return (weight.to(torch.float32) * h).to(x.dtype)
+    return weight.to(x.dtype) * h.to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight.to(x.dtype), bias.to(x.dtype), eps)

@@ -1,0 +1,71 @@
+"""GLM-4.5V text decoder: dense layer 0 then sigmoid-routed MoE layers with a shared expert,
+partial NeoX rotary with 3-axis M-RoPE positions; image features replace the <|image|> embeddings."""
+from __future__ import annotations
+
+import torch
+
+from ..layers.attention import SelfAttention
+from ..layers.linear import linear
+from ..layers.mlp import GatedMLP
+from ..layers.moe import MoeBlock
+from ..layers.norm import rms_norm
+from ..layers.rotary import RotaryEmbedding
+from ..spec import ModelSpec
+from .glm4v_vision import Glm4vVisionTower
+from .mrope import mrope_positions
+
+
+class Glm4vMoeModel:
+    family = "glm4v_moe"
+
+    def __init__(self, spec: ModelSpec, weights: dict, device: torch.device | str = "cpu"):
+        self.spec = spec
+        prefix = "model.language_model"
+        self.embed_tokens = weights[f"{prefix}.embed_tokens.weight"]
+        self.rotary = RotaryEmbedding(spec.rope, device)
+        self.layers = []
+        for i in range(spec.num_layers):
+            p = f"{prefix}.layers.{i}"
+            mlp = MoeBlock(spec, weights, f"{p}.mlp") if spec.is_moe_layer(i) else GatedMLP(weights, f"{p}.mlp")
+            self.layers.append((
+                weights[f"{p}.input_layernorm.weight"],
+                SelfAttention(spec, weights, f"{p}.self_attn", i),
+                weights[f"{p}.post_attention_layernorm.weight"],
+                mlp,
+            ))
+        self.norm = weights[f"{prefix}.norm.weight"]
+        self.lm_head = weights["lm_head.weight"]
+        self.visual = Glm4vVisionTower(spec.vision, weights, "model.visual")
+
+    def embed(self, input_ids: torch.Tensor, image_features: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]; image_features [n_image_tokens, hidden] fill the
+        <|image|> positions in order."""
+        h = self.embed_tokens[input_ids]
+        if image_features is not None:
+            mask = input_ids == self.spec.image_tokens.image
+            if int(mask.sum()) != image_features.shape[0]:
+                raise ValueError(f"the prompt has {int(mask.sum())} image tokens but the images give "
+                                 f"{image_features.shape[0]} features")
+            h = h.clone()
+            h[mask] = image_features.to(h.dtype)
+        return h
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.visual(pixel_values, grid_thw)
+
+    def rope_positions(self, input_ids: torch.Tensor, grid_thw: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """[3, T] M-RoPE positions of a prompt and the offset later tokens add to their slot."""
+        return mrope_positions(input_ids, grid_thw, self.spec.image_tokens, self.spec.vision.spatial_merge_size)
+
+    def forward(self, h: torch.Tensor, rope_positions: torch.Tensor, start: int, cache) -> torch.Tensor:
+        """h [T, hidden] at cache slots start..; rope_positions [T] or [3, T] -> hidden [T, hidden]."""
+        eps = self.spec.rms_norm_eps
+        slots = torch.arange(start, start + h.shape[0], device=h.device)
+        cos, sin = self.rotary.cos_sin(rope_positions, h.dtype)
+        for in_norm, attn, post_norm, mlp in self.layers:
+            h = h + attn(rms_norm(h, in_norm, eps), cos, sin, slots, cache, start)
+            h = h + mlp(rms_norm(h, post_norm, eps))
+        return rms_norm(h, self.norm, eps)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return linear(h, self.lm_head).to(torch.float32)

@@ -1,0 +1,50 @@
+"""gpt-oss (20b, 120b): pre-norm decoder with sink attention (sliding window on alternate
+layers), YaRN rotary, and a top-4 softmax-routed MoE with clamped SwiGLU experts."""
+from __future__ import annotations
+
+import torch
+
+from ..layers.attention import SelfAttention
+from ..layers.linear import linear
+from ..layers.moe import MoeBlock
+from ..layers.norm import rms_norm
+from ..layers.rotary import RotaryEmbedding
+from ..spec import ModelSpec
+
+
+class GptOssModel:
+    family = "gpt_oss"
+
+    def __init__(self, spec: ModelSpec, weights: dict, device: torch.device | str = "cpu"):
+        self.spec = spec
+        self.embed_tokens = weights["model.embed_tokens.weight"]
+        self.rotary = RotaryEmbedding(spec.rope, device)
+        self.layers = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}"
+            self.layers.append((
+                weights[f"{p}.input_layernorm.weight"],
+                SelfAttention(spec, weights, f"{p}.self_attn", i),
+                weights[f"{p}.post_attention_layernorm.weight"],
+                MoeBlock(spec, weights, f"{p}.mlp"),
+            ))
+        self.norm = weights["model.norm.weight"]
+        self.lm_head = weights["lm_head.weight"]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]."""
+        return self.embed_tokens[input_ids]
+
+    def forward(self, h: torch.Tensor, rope_positions: torch.Tensor, start: int, cache) -> torch.Tensor:
+        """h [T, hidden] for cache slots start..start+T-1 -> final hidden states [T, hidden]."""
+        eps = self.spec.rms_norm_eps
+        slots = torch.arange(start, start + h.shape[0], device=h.device)
+        cos, sin = self.rotary.cos_sin(rope_positions, h.dtype)
+        for in_norm, attn, post_norm, moe in self.layers:
+            h = h + attn(rms_norm(h, in_norm, eps, weight_first=True), cos, sin, slots, cache, start)
+            h = h + moe(rms_norm(h, post_norm, eps, weight_first=True))
+        return rms_norm(h, self.norm, eps, weight_first=True)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden] -> float32 logits [T, vocab]."""
+        return linear(h, self.lm_head).to(torch.float32)
