@@ -1,0 +1,161 @@
+"""`localchat`: serve the chat app (default), or `run` one question from the shell."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+class UserError(Exception):
+    """A problem the user can fix; printed as one line, exit status 2."""
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="compute dtype of the unquantized parts (auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--max-context", type=int, default=None, help="cap the context length (tokens)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="localchat", description="Local vision chat with GLM-4.5V and gpt-oss.")
+    sub = parser.add_subparsers(dest="command")
+
+    run = sub.add_parser("run", help="answer one question and exit",
+                         description="Answer one question with a local checkpoint; stream the answer to stdout.")
+    run.add_argument("model", help="checkpoint directory (config.json, safetensors, tokenizer)")
+    run.add_argument("--prompt", required=True, help="the question")
+    run.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image to ask about (repeat for several; they come before the text, in order)")
+    run.add_argument("--system", default=None, help="a system prompt")
+    run.add_argument("--max-tokens", type=int, default=1024)
+    run.add_argument("--temperature", type=float, default=None,
+                     help="0 for greedy (default: the checkpoint's generation_config, else 1.0)")
+    run.add_argument("--top-p", type=float, default=None)
+    run.add_argument("--top-k", type=int, default=None)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--no-thinking", action="store_true", help="GLM: answer without a thinking phase")
+    run.add_argument("--reasoning-effort", default="medium", choices=["low", "medium", "high"], help="gpt-oss")
+    run.add_argument("--show-reasoning", action="store_true", help="also stream the reasoning, to stderr")
+    run.add_argument("--json", action="store_true",
+                     help="print one JSON object: prompt_token_ids, token_ids, text, reasoning, finish_reason, timings")
+    _add_engine_args(run)
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def _sampling(args, model_dir: Path):
+    from ..engine.runtime.request import SamplingParams
+
+    defaults = {}
+    gen_file = model_dir / "generation_config.json"
+    if gen_file.is_file():
+        gen = json.loads(gen_file.read_text())
+        if gen.get("do_sample") is False:
+            defaults["temperature"] = 0.0
+        for key in ("temperature", "top_p", "top_k"):
+            if key in gen and gen[key] is not None and not (key == "temperature" and "temperature" in defaults):
+                defaults[key] = gen[key]
+    pick = lambda name, default: getattr(args, name) if getattr(args, name) is not None else defaults.get(name, default)  # noqa: E731
+    return SamplingParams(temperature=float(pick("temperature", 1.0)), top_p=float(pick("top_p", 1.0)),
+                          top_k=int(pick("top_k", 0) or 0), seed=args.seed, max_tokens=args.max_tokens)
+
+
+def _request(args, model_dir: Path):
+    from PIL import UnidentifiedImageError
+
+    from ..engine.runtime.request import ChatRequest, ImagePart, Message, TextPart
+
+    images = []
+    for path in args.image:
+        if not Path(path).is_file():
+            raise UserError(f"no such image file: {path}")
+        try:
+            images.append(ImagePart.from_path(path))
+        except (UnidentifiedImageError, OSError) as e:
+            raise UserError(f"{path} is not an image this app can read ({e}); use PNG, JPEG, WebP or GIF") from None
+    messages = []
+    if args.system:
+        messages.append(Message.text("system", args.system))
+    messages.append(Message("user", (*images, TextPart(args.prompt))))
+    return ChatRequest(tuple(messages), _sampling(args, model_dir), thinking=not args.no_thinking,
+                       reasoning_effort=args.reasoning_effort)
+
+
+def _load_engine(args):
+    from ..engine.runtime.engine import Engine
+
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise UserError(f"no such checkpoint directory: {model_dir}")
+    progress = None
+    if sys.stderr.isatty() and not getattr(args, "json", False):
+        def progress(done, total, file):  # noqa: E306
+            print(f"\rloading {Path(file).name}: {done / max(total, 1):6.1%}", end="", file=sys.stderr, flush=True)
+    engine = Engine(model_dir, device=args.device, dtype=args.dtype, max_context=args.max_context, on_progress=progress)
+    if progress:
+        print(file=sys.stderr)
+    return engine
+
+
+def cmd_run(args) -> int:
+    from ..engine.runtime.request import Delta, Final
+
+    model_dir = Path(args.model)
+    request = _request(args, model_dir)
+    engine = _load_engine(args)
+    token_ids: list[int] = []
+    text, reasoning = [], []
+    final = None
+    stream = engine.submit(request)
+    try:
+        for item in stream:
+            if isinstance(item, Delta):
+                token_ids.extend(item.token_ids)
+                text.append(item.text)
+                reasoning.append(item.reasoning)
+                if not args.json:
+                    if item.reasoning and args.show_reasoning:
+                        print(item.reasoning, end="", file=sys.stderr, flush=True)
+                    if item.text:
+                        print(item.text, end="", flush=True)
+            elif isinstance(item, Final):
+                final = item
+    finally:
+        stream.close()
+    if final.finish_reason == "error":
+        raise UserError(final.error)
+    if args.json:
+        t = final.timings
+        print(json.dumps({
+            "prompt_token_ids": list(final.prompt_token_ids), "token_ids": token_ids,
+            "text": "".join(text), "reasoning": "".join(reasoning), "finish_reason": final.finish_reason,
+            "timings": {"image_encode_s": t.image_encode, "prefill_s": t.prefill, "first_token_s": t.first_token,
+                        "ttft_s": t.ttft, "decode_s": t.decode, "decode_tokens_per_s": t.decode_tokens_per_s},
+        }))
+    else:
+        print()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"localchat: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"localchat: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Chat messages -> prompt token ids (and pixels), with the checkpoint's own tokenizer, chat
+template and image processor through transformers.
+
+The template renders each image as one `<|image|>` placeholder; it is expanded here to the
+number of LLM tokens the image processor's grid gives (t * h * w / merge^2), exactly as the
+GLM-4.5V processor does. The processor class itself is not used because it cannot be built
+without torchvision; the image processor alone can.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..spec import ModelSpec
+from .request import ChatRequest, ImagePart, Message, TextPart
+
+
+@dataclass
+class Prompt:
+    """input_ids [T]; pixel_values [N_patches, C*T*P*P] and image_grid_thw [n_images, 3] for GLM."""
+
+    input_ids: list[int]
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    image_hashes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_image_processor(path: str | Path):
+    from transformers import AutoImageProcessor
+
+    # Without torchvision transformers falls back to the PIL backend and says so at warning level.
+    quiet = logging.getLogger("transformers").level
+    try:
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        return AutoImageProcessor.from_pretrained(str(path))
+    finally:
+        logging.getLogger("transformers").setLevel(quiet)
+
+
+def _hf_messages(messages: tuple[Message, ...], family: str) -> list[dict]:
+    out = []
+    for m in messages:
+        parts = []
+        for p in m.content:
+            if isinstance(p, ImagePart):
+                parts.append({"type": "image"})
+            elif isinstance(p, TextPart):
+                parts.append({"type": "text", "text": p.text})
+        if family == "gpt_oss" or m.role != "user":
+            # Only GLM user turns take images; other turns are plain strings for every template.
+            content = "".join(p["text"] for p in parts if p["type"] == "text")
+        else:
+            content = parts
+        msg = {"role": m.role, "content": content}
+        if m.role == "assistant" and m.reasoning:
+            msg["reasoning_content"] = m.reasoning  # GLM templates
+            msg["thinking"] = m.reasoning  # gpt-oss template
+        out.append(msg)
+    return out
+
+
+class ChatFormatter:
+    def __init__(self, path: str | Path, spec: ModelSpec):
+        self.spec = spec
+        self.tokenizer = load_tokenizer(path)
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"{path} has no chat template (tokenizer_config.json or chat_template.jinja); "
+                             "the checkpoint is incomplete: download it again")
+        self.image_processor = load_image_processor(path) if spec.vision is not None else None
+
+    def render(self, request: ChatRequest) -> str:
+        kwargs = {"enable_thinking": request.thinking} if self.spec.family == "glm4v_moe" else {
+            "reasoning_effort": request.reasoning_effort}
+        return self.tokenizer.apply_chat_template(
+            _hf_messages(request.messages, self.spec.family), tokenize=False, add_generation_prompt=True, **kwargs)
+
+    def build(self, request: ChatRequest) -> Prompt:
+        images = [p for m in request.messages for p in m.content if isinstance(p, ImagePart)]
+        if images and self.image_processor is None:
+            raise ValueError(f"{self.spec.family} does not read images; send text only or use a GLM-4.5V model")
+        ids = self.tokenizer(self.render(request), add_special_tokens=False)["input_ids"]
+        if not images:
+            return Prompt(ids)
+        pixels = self.image_processor(images=[p.image for p in images], return_tensors="pt")
+        grid = pixels["image_grid_thw"]
+        merge = self.spec.vision.spatial_merge_size
+        image_id = self.spec.image_tokens.image
+        if ids.count(image_id) != len(images):
+            raise ValueError(f"the chat template rendered {ids.count(image_id)} image placeholders for "
+                             f"{len(images)} images")
+        counts = iter((grid.prod(-1) // merge**2).tolist())
+        expanded: list[int] = []
+        for t in ids:
+            expanded.extend([image_id] * next(counts) if t == image_id else [t])
+        return Prompt(expanded, pixels["pixel_values"], grid, tuple(p.sha256 for p in images))

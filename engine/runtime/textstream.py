@@ -1,0 +1,61 @@
+"""From generated token ids to answer and reasoning text: incremental detokenization, the
+family's reasoning splitter, stop strings, and removal of leftover special-token text."""
+from __future__ import annotations
+
+from .detokenize import IncrementalDetokenizer
+from .reasoning import reasoning_parser
+
+
+class TextAssembler:
+    def __init__(self, tokenizer, family: str, thinking: bool, stop: tuple[str, ...] = ()):
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.parser = reasoning_parser(family, thinking)
+        self.stop = tuple(s for s in stop if s)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.pending = ""  # answer text held back while it could be the start of a stop string
+        self.answer = ""
+        self.reasoning = ""
+        self.stopped = False
+        # Special tokens that may leak into text (end-of-turn markers) are never shown.
+        self.hidden = tuple(t for t in tokenizer.all_special_tokens if t not in ("<think>", "</think>"))
+        self.hidden = tuple(t for t in self.hidden if not t.startswith("<|begin_of_box") and not t.startswith("<|end_of_box"))
+
+    def _clean(self, text: str) -> str:
+        for t in self.hidden:
+            if t in text:
+                text = text.replace(t, "")
+        return text
+
+    def _emit(self, answer: str, reasoning: str) -> tuple[str, str]:
+        reasoning = self._clean(reasoning)
+        self.pending += self._clean(answer)
+        out = ""
+        if self.stop:
+            hits = [(self.pending.find(s), s) for s in self.stop if s in self.pending]
+            if hits:
+                pos, _ = min(hits)
+                out, self.pending, self.stopped = self.pending[:pos], "", True
+            else:
+                cut = max(len(self.pending) - self.hold, 0)
+                out, self.pending = self.pending[:cut], self.pending[cut:]
+        else:
+            out, self.pending = self.pending, ""
+        self.answer += out
+        self.reasoning += reasoning
+        return out, reasoning
+
+    def push(self, token_id: int) -> tuple[str, str]:
+        """Returns the (answer, reasoning) text this token released."""
+        if self.stopped:
+            return "", ""
+        return self._emit(*self.parser.feed(self.detok.push(token_id)))
+
+    def finish(self) -> tuple[str, str]:
+        if self.stopped:
+            return "", ""
+        a1, r1 = self.parser.feed(self.detok.flush())
+        a2, r2 = self.parser.finish()
+        answer, reasoning = self._emit(a1 + a2, r1 + r2)
+        tail, self.pending = ("" if self.stopped else self.pending), ""
+        self.answer += tail
+        return answer + tail, reasoning

@@ -1,0 +1,45 @@
+import torch
+
+from localchat.engine.runtime.request import SamplingParams
+from localchat.engine.runtime.sampling import Sampler, apply_repetition_penalty, filter_logits
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(50)
+    assert Sampler(SamplingParams(temperature=0))(logits, torch.tensor([], dtype=torch.long)) == int(logits.argmax())
+
+
+def test_seed_reproduces_and_differs():
+    logits = torch.zeros(1000)
+    ctx = torch.tensor([], dtype=torch.long)
+    a = [Sampler(SamplingParams(seed=7))(logits, ctx) for _ in range(3)]
+    s1, s2 = Sampler(SamplingParams(seed=7)), Sampler(SamplingParams(seed=8))
+    seq1 = [s1(logits, ctx) for _ in range(20)]
+    seq2 = [s2(logits, ctx) for _ in range(20)]
+    s3 = Sampler(SamplingParams(seed=7))
+    assert seq1 == [s3(logits, ctx) for _ in range(20)]
+    assert seq1 != seq2 and len(set(a)) == 1
+
+
+def test_top_k_and_top_p_keep_the_right_sets():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = torch.isfinite(filter_logits(logits, SamplingParams(top_k=2)))
+    assert kept.tolist() == [True, True, False, False]
+    kept = torch.isfinite(filter_logits(logits, SamplingParams(top_p=0.8)))
+    assert kept.tolist() == [True, True, False, False]
+    kept = torch.isfinite(filter_logits(logits, SamplingParams(top_p=0.81)))
+    assert kept.tolist() == [True, True, True, False]
+    kept = torch.isfinite(filter_logits(logits, SamplingParams(min_p=0.25)))
+    assert kept.tolist() == [True, True, True, False]
+
+
+def test_sampling_never_picks_filtered_tokens():
+    logits = torch.randn(64)
+    top = set(torch.topk(logits, 3).indices.tolist())
+    s = Sampler(SamplingParams(temperature=1.5, top_k=3, seed=0))
+    assert {s(logits, torch.tensor([], dtype=torch.long)) for _ in range(200)} <= top
+
+
+def test_repetition_penalty():
+    out = apply_repetition_penalty(torch.tensor([2.0, -2.0, 1.0]), torch.tensor([0, 1]), 2.0)
+    assert out.tolist() == [1.0, -4.0, 1.0]
