@@ -1,7 +1,7 @@
 """Causal self-attention with GQA, optional attention sinks and sliding window.
 
-The torch path here is the reference the kernels are checked against and the CPU path; the
-KV cache is any object with `write(layer, start, k, v)` and `read(layer, end) -> (k, v)`.
+The torch path here is the reference the kernels are checked against and the CPU path. Keys and
+values live in a paged cache (engine/runtime/kv_cache.py); a ForwardBatch says which slots.
 """
 from __future__ import annotations
 
@@ -40,6 +40,24 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     return out.reshape(t, hq, d).to(q.dtype)
 
 
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
+                    scale: float, sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """q [T, Hq, D] packed over the batch's sequences; k_cache, v_cache [blocks, block_size,
+    Hkv, D]. Each sequence's new tokens are the last ones of its context. Returns [T, Hq, D]."""
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    qs, lens = batch.query_start_host, batch.context_lens_host
+    for b in range(len(lens)):
+        n_blocks = -(-lens[b] // block_size)
+        table = batch.block_tables[b, :n_blocks]
+        keys = k_cache[table].flatten(0, 1)[: lens[b]]
+        values = v_cache[table].flatten(0, 1)[: lens[b]]
+        n_new = qs[b + 1] - qs[b]
+        positions = torch.arange(lens[b] - n_new, lens[b], device=q.device)
+        out[qs[b]:qs[b + 1]] = causal_attention(q[qs[b]:qs[b + 1]], keys, values, positions, scale, sinks, window)
+    return out
+
+
 class SelfAttention:
     """One decoder layer's attention; weights from the flat store under `prefix`."""
 
@@ -52,16 +70,13 @@ class SelfAttention:
         self.q_b, self.k_b, self.v_b, self.o_b = (weights.get(f"{prefix}.{n}_proj.bias") for n in "qkvo")
         self.sinks = weights.get(f"{prefix}.sinks") if spec.attention_sinks else None
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                 cache, start: int) -> torch.Tensor:
-        """x [T, hidden] of one sequence at cache slots start..start+T-1; positions [T] are the
-        slots (attention order), cos/sin [T, rotary_dim] carry the rotary angles."""
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, cache) -> torch.Tensor:
+        """x [T, hidden] packed over the batch; cos/sin [T, rotary_dim] carry the rotary angles."""
         t = x.shape[0]
         q = linear(x, self.q, self.q_b).view(t, self.heads, self.head_dim)
         k = linear(x, self.k, self.k_b).view(t, self.kv_heads, self.head_dim)
         v = linear(x, self.v, self.v_b).view(t, self.kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        cache.write(self.layer, start, k, v)
-        keys, values = cache.read(self.layer, start + t)
-        out = causal_attention(q, keys, values, positions, self.scale, self.sinks, self.window)
+        cache.write(self.layer, batch.slot_mapping, k, v)
+        out = paged_attention(q, cache.k[self.layer], cache.v[self.layer], batch, self.scale, self.sinks, self.window)
         return linear(out.reshape(t, -1), self.o, self.o_b)

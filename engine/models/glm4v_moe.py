@@ -57,13 +57,12 @@ class Glm4vMoeModel:
         """[3, T] M-RoPE positions of a prompt and the offset later tokens add to their slot."""
         return mrope_positions(input_ids, grid_thw, self.spec.image_tokens, self.spec.vision.spatial_merge_size)
 
-    def forward(self, h: torch.Tensor, rope_positions: torch.Tensor, start: int, cache) -> torch.Tensor:
-        """h [T, hidden] at cache slots start..; rope_positions [T] or [3, T] -> hidden [T, hidden]."""
+    def forward(self, h: torch.Tensor, batch, cache) -> torch.Tensor:
+        """h [T, hidden] packed over the ForwardBatch's sequences -> final hidden states [T, hidden]."""
         eps = self.spec.rms_norm_eps
-        slots = torch.arange(start, start + h.shape[0], device=h.device)
-        cos, sin = self.rotary.cos_sin(rope_positions, h.dtype)
+        cos, sin = self.rotary.cos_sin(batch.rope_positions, h.dtype)
         for in_norm, attn, post_norm, mlp in self.layers:
-            h = h + attn(rms_norm(h, in_norm, eps), cos, sin, slots, cache, start)
+            h = h + attn(rms_norm(h, in_norm, eps), cos, sin, batch, cache)
             h = h + mlp(rms_norm(h, post_norm, eps))
         return rms_norm(h, self.norm, eps)
 

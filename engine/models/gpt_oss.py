@@ -35,13 +35,12 @@ class GptOssModel:
         """input_ids [T] -> [T, hidden]."""
         return self.embed_tokens[input_ids]
 
-    def forward(self, h: torch.Tensor, rope_positions: torch.Tensor, start: int, cache) -> torch.Tensor:
-        """h [T, hidden] for cache slots start..start+T-1 -> final hidden states [T, hidden]."""
+    def forward(self, h: torch.Tensor, batch, cache) -> torch.Tensor:
+        """h [T, hidden] packed over the ForwardBatch's sequences -> final hidden states [T, hidden]."""
         eps = self.spec.rms_norm_eps
-        slots = torch.arange(start, start + h.shape[0], device=h.device)
-        cos, sin = self.rotary.cos_sin(rope_positions, h.dtype)
+        cos, sin = self.rotary.cos_sin(batch.rope_positions, h.dtype)
         for in_norm, attn, post_norm, moe in self.layers:
-            h = h + attn(rms_norm(h, in_norm, eps, weight_first=True), cos, sin, slots, cache, start)
+            h = h + attn(rms_norm(h, in_norm, eps, weight_first=True), cos, sin, batch, cache)
             h = h + moe(rms_norm(h, post_norm, eps, weight_first=True))
         return rms_norm(h, self.norm, eps, weight_first=True)
 

@@ -1,4 +1,4 @@
-"""Generation for one sequence over a contiguous KV cache: prefill the prompt (images first),
+"""Generation for one sequence with a private paged KV cache: prefill the prompt (images first),
 then decode token by token until an end-of-sequence id or the token budget."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Iterator
 
 import torch
 
-from .kv_cache import ContiguousKVCache
+from .forward_batch import ForwardBatch
+from .kv_cache import PagedKVCache
 from .prompt import Prompt
 from .sampling import Sampler
 
@@ -29,6 +30,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+BLOCK_SIZE = 16
+
+
 class ContextTooLong(ValueError):
     pass
 
@@ -46,7 +50,9 @@ def generate(model, prompt: Prompt, sampler: Sampler, eos_ids: tuple[int, ...], 
                              "Shorten the conversation or start a new chat.")
     max_tokens = min(max_tokens, limit - n)
     ids = torch.tensor(prompt.input_ids, dtype=torch.long, device=device)
-    cache = ContiguousKVCache(spec.num_layers, n + max_tokens, spec.num_kv_heads, spec.head_dim, dtype, device)
+    blocks = -(-(n + max_tokens) // BLOCK_SIZE)
+    cache = PagedKVCache(spec.num_layers, blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, dtype, device)
+    table = list(range(blocks))
 
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -62,7 +68,7 @@ def generate(model, prompt: Prompt, sampler: Sampler, eos_ids: tuple[int, ...], 
         else:
             positions, delta = torch.arange(n, device=device), 0
             h = model.embed(ids)
-        h = model.forward(h.to(dtype), positions, 0, cache)
+        h = model.forward(h.to(dtype), ForwardBatch.build([(table, 0, n)], positions, BLOCK_SIZE, device), cache)
         logits = model.logits(h[-1:])[0]
         _sync(device)
         t2 = time.perf_counter()
@@ -78,7 +84,8 @@ def generate(model, prompt: Prompt, sampler: Sampler, eos_ids: tuple[int, ...], 
             slot = n + step
             tok = torch.tensor([token], dtype=torch.long, device=device)
             context = torch.cat((context, tok))
-            h = model.forward(model.embed(tok).to(dtype), torch.tensor([slot + delta], device=device), slot, cache)
+            batch = ForwardBatch.build([(table, slot, 1)], torch.tensor([slot + delta]), BLOCK_SIZE, device)
+            h = model.forward(model.embed(tok).to(dtype), batch, cache)
             token = sampler(model.logits(h)[0], context)
             times.decoded_tokens += 1
             times.decode = time.perf_counter() - t_decode
