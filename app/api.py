@@ -1,0 +1,330 @@
+"""OpenAI-compatible `/v1/models` and `/v1/chat/completions` over the in-process engine.
+
+Wire format follows the OpenAI Chat Completions reference (https://platform.openai.com/docs/api-reference/chat):
+`chat.completion` objects, `chat.completion.chunk` SSE events ending in `data: [DONE]`, and
+errors as {"error": {"message", "type", "param", "code"}}. Reasoning goes in `reasoning_content`
+beside `content`, the field name vLLM and llama.cpp use for reasoning parsers.
+The body is parsed by hand, not by pydantic, so every malformed request gets the OpenAI error shape.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_image
+from localchat.engine.runtime.request import (
+    ChatEngine, ChatRequest, Delta, Final, Message, ModelInfo, RequestStream, SamplingParams, TextPart,
+)
+
+DEFAULT_MAX_TOKENS = 4096
+_DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<b64>.*)$", re.S)
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content=self.body())
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    chat: ChatRequest
+    stream: bool
+    include_usage: bool
+
+
+def create_api(engine: ChatEngine, *, api_key: str | None = None,
+               limits: ImageLimits = ImageLimits()) -> APIRouter:
+    """Routes under /v1. With `api_key` set every request needs `Authorization: Bearer <api_key>`."""
+    router = APIRouter(prefix="/v1")
+    started = int(time.time())
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise ApiError(401, "Missing or wrong API key. Send the key localchat was started with "
+                                "as 'Authorization: Bearer <key>'.", code="invalid_api_key")
+
+    @router.get("/models")
+    async def list_models(request: Request):
+        try:
+            check_key(request)
+        except ApiError as e:
+            return e.response()
+        info = engine.info()
+        return {"object": "list", "data": [_model_card(info, started)]}
+
+    @router.get("/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request):
+        try:
+            check_key(request)
+            info = engine.info()
+            if model_id != info.name:
+                raise _unknown_model(model_id, info)
+        except ApiError as e:
+            return e.response()
+        return _model_card(info, started)
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            check_key(request)
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ApiError(400, "The request body is not valid JSON.")
+            info = engine.info()
+            parsed = await run_in_threadpool(parse_request, body, info, limits)
+            try:
+                stream = engine.submit(parsed.chat)
+            except ValueError as e:  # the engine refuses what it cannot run, e.g. a prompt over the context
+                raise ApiError(400, str(e), code="context_length_exceeded" if "context" in str(e) else None)
+        except ApiError as e:
+            return e.response()
+        cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
+        if parsed.stream:
+            return StreamingResponse(
+                _sse(stream, cid, created, info.name, parsed.include_usage),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text, reasoning, final = await run_in_threadpool(_collect, stream)
+        if final.finish_reason == "error":
+            return ApiError(500, final.error or "The engine failed while generating.", type="server_error").response()
+        message = {"role": "assistant", "content": text}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        return {"id": cid, "object": "chat.completion", "created": created, "model": info.name,
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": _finish(final.finish_reason)}],
+                "usage": _usage(final), "timings": _timings(final)}
+
+    @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def not_found(path: str):
+        return ApiError(404, f"localchat does not serve /v1/{path}; it serves /v1/models and "
+                             "/v1/chat/completions.", code="unknown_url").response()
+
+    return router
+
+
+def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedRequest:
+    """Turn a Chat Completions body into a ChatRequest, or raise ApiError naming the bad field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    model = body.get("model")
+    if model is not None and model != info.name:
+        raise _unknown_model(model, info)
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "Only n=1 is supported.", param="n")
+    if body.get("tools") or body.get("functions"):
+        raise ApiError(400, "Tool and function calling are not supported by localchat yet.", param="tools")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise ApiError(400, "Only response_format {'type': 'text'} is supported.", param="response_format")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "'messages' must be a non-empty list.", param="messages")
+    messages = tuple(_parse_message(m, i, info, limits) for i, m in enumerate(raw))
+    if not any(m.role == "user" for m in messages):
+        raise ApiError(400, "'messages' needs at least one user message.", param="messages")
+
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    stop = body.get("stop")
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings.", param="stop")
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=int(_number(body, "top_k", 0, 0, 1e9, integer=True)),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-9, 10.0),
+        seed=None if body.get("seed") is None else int(_number(body, "seed", 0, -2**63, 2**64, integer=True)),
+        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else int(
+            _number(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
+                    1, 1, info.context_length, integer=True)),
+        stop=stop,
+    )
+    effort = body.get("reasoning_effort", "medium")
+    if effort not in ("none", "minimal", "low", "medium", "high"):
+        raise ApiError(400, "'reasoning_effort' must be low, medium or high.", param="reasoning_effort")
+    kwargs = body.get("chat_template_kwargs") or {}
+    # GLM switches thinking off via chat_template_kwargs.enable_thinking (vLLM/SGLang convention,
+    # GLM-V README); reasoning_effort "none"/"minimal" is read the same way.
+    thinking = bool(kwargs.get("enable_thinking", effort not in ("none", "minimal")))
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be true or false.", param="stream")
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+    chat = ChatRequest(messages, sampling, thinking=thinking,
+                       reasoning_effort=effort if effort in ("low", "medium", "high") else "low")
+    return ParsedRequest(chat, stream, include_usage)
+
+
+def _parse_message(m: object, i: int, info: ModelInfo, limits: ImageLimits) -> Message:
+    if not isinstance(m, dict) or m.get("role") not in _ROLES:
+        raise ApiError(400, f"messages[{i}] needs a role of system, developer, user or assistant.",
+                       param=f"messages[{i}].role")
+    role, content = _ROLES[m["role"]], m.get("content")
+    parts: list = []
+    if isinstance(content, str):
+        parts.append(TextPart(content))
+    elif isinstance(content, list):
+        images = [p for p in content if isinstance(p, dict) and p.get("type") == "image_url"]
+        try:
+            check_count(len(images), limits)
+        except ImageRejected as e:
+            raise ApiError(400, str(e), param=f"messages[{i}].content", code="too_many_images")
+        for j, p in enumerate(content):
+            parts.append(_parse_part(p, f"messages[{i}].content[{j}]", role, info, limits))
+    elif content is None and role == "assistant":
+        pass
+    else:
+        raise ApiError(400, f"messages[{i}].content must be a string or a list of parts.",
+                       param=f"messages[{i}].content")
+    reasoning = m.get("reasoning_content") if role == "assistant" else None
+    return Message(role, tuple(parts), reasoning if isinstance(reasoning, str) else None)
+
+
+def _parse_part(p: object, where: str, role: str, info: ModelInfo, limits: ImageLimits):
+    kind = p.get("type") if isinstance(p, dict) else None
+    if kind == "text" and isinstance(p.get("text"), str):
+        return TextPart(p["text"])
+    if kind != "image_url":
+        raise ApiError(400, f"{where}: part type {kind!r} is not supported; use 'text' or 'image_url'.",
+                       param=where)
+    if role != "user":
+        raise ApiError(400, f"{where}: images are only accepted in user messages.", param=where)
+    if not info.supports_images:
+        raise ApiError(400, f"{info.name} does not take images; load a vision model such as GLM-4.5V.",
+                       param=where)
+    ref = p.get("image_url")
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    if not isinstance(url, str):
+        raise ApiError(400, f"{where}.image_url.url must be a string.", param=where)
+    if url.startswith(("http://", "https://")):
+        raise ApiError(400, f"{where}: localchat works offline and does not fetch image URLs; send the "
+                            "image inline as 'data:image/png;base64,...' or 'data:image/jpeg;base64,...'.",
+                       param=where, code="image_url_not_supported")
+    match = _DATA_URL.match(url)
+    if not match:
+        raise ApiError(400, f"{where}: image_url must be a base64 data: URL (data:image/png;base64,...).",
+                       param=where, code="invalid_image_url")
+    try:
+        data = base64.b64decode(match["b64"], validate=False)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{where}: the base64 image data is malformed.", param=where, code="invalid_image_url")
+    try:
+        return prepare_image(data, where, limits).part
+    except ImageRejected as e:
+        raise ApiError(400, str(e), param=where, code="invalid_image")
+
+
+def _number(body: dict, key: str, default, lo, hi, *, integer: bool = False):
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not float(v).is_integer()):
+        raise ApiError(400, f"'{key}' must be {'an integer' if integer else 'a number'}.", param=key)
+    if not lo <= v <= hi:
+        raise ApiError(400, f"'{key}' must be between {lo:g} and {hi:g}; got {v}.", param=key)
+    return v
+
+
+def _unknown_model(model: str, info: ModelInfo) -> ApiError:
+    return ApiError(404, f"The model {model!r} is not loaded; this server runs {info.name!r} "
+                         "(see GET /v1/models).", param="model", code="model_not_found")
+
+
+def _model_card(info: ModelInfo, created: int) -> dict:
+    return {"id": info.name, "object": "model", "created": created, "owned_by": "localchat",
+            "context_length": info.context_length, "family": info.family,
+            "supports_images": info.supports_images}
+
+
+def _collect(stream: RequestStream) -> tuple[str, str, Final]:
+    text, reasoning, final = [], [], None
+    try:
+        for item in stream:
+            if isinstance(item, Delta):
+                text.append(item.text)
+                reasoning.append(item.reasoning)
+            else:
+                final = item
+    finally:
+        if final is None:
+            stream.close()
+    return "".join(text), "".join(reasoning), final
+
+
+async def _sse(stream: RequestStream, cid: str, created: int, model: str, include_usage: bool):
+    """SSE events; leaving early (client gone: the next write fails and Starlette cancels
+    this generator) closes the engine stream, which aborts the request."""
+    def event(delta: dict, finish: str | None = None, usage: dict | None = None) -> str:
+        chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                 "choices": [] if usage else [{"index": 0, "delta": delta, "logprobs": None,
+                                               "finish_reason": finish}]}
+        if usage:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    it, final = iter(stream), None
+    try:
+        yield event({"role": "assistant", "content": ""})
+        while final is None:
+            item = await run_in_threadpool(next, it, None)
+            if item is None:
+                break
+            if isinstance(item, Final):
+                final = item
+            elif item.text or item.reasoning:
+                delta = {}
+                if item.reasoning:
+                    delta["reasoning_content"] = item.reasoning
+                if item.text:
+                    delta["content"] = item.text
+                yield event(delta)
+        if final is not None and final.finish_reason == "error":
+            err = ApiError(500, final.error or "The engine failed while generating.", type="server_error")
+            yield f"data: {json.dumps(err.body())}\n\n"
+        elif final is not None:
+            yield event({}, _finish(final.finish_reason))
+            if include_usage:
+                yield event({}, usage=_usage(final))
+        yield "data: [DONE]\n\n"
+    finally:
+        if final is None:
+            stream.close()
+
+
+def _finish(reason: str) -> str:
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def _usage(final: Final) -> dict:
+    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+            "total_tokens": final.prompt_tokens + final.completion_tokens}
+
+
+def _timings(final: Final) -> dict:
+    t = final.timings
+    return {"ttft_s": t.ttft, "image_encode_s": t.image_encode, "prefill_s": t.prefill,
+            "first_token_s": t.first_token, "decode_s": t.decode, "decode_tokens_per_s": t.decode_tokens_per_s}

@@ -1,0 +1,87 @@
+"""Checks and downscaling for uploaded images, shared by the chat page and the /v1 API.
+
+Refused: not decodable, more bytes than `max_bytes`, more pixels than `max_pixels` (a guard
+against decompression bombs), more than `max_images` per message. Accepted images above
+`target_pixels` are downscaled (aspect kept) and the caller shows the returned note.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+from dataclasses import dataclass
+
+from PIL import Image, UnidentifiedImageError
+
+from localchat.engine.runtime.request import ImagePart
+
+_KEPT_FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_images: int = 8
+    max_bytes: int = 20 * 2**20
+    max_pixels: int = 64_000_000
+    # ~2 MP: about 2,600 GLM-4.5V image tokens (one token per 28x28 patch after 2x2 merge,
+    # patch 14 per the checkpoint's preprocessor_config.json), so several images fit a chat.
+    target_pixels: int = 1920 * 1080
+
+
+class ImageRejected(ValueError):
+    """The message says which image and which limit; it is shown to the user as is."""
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    name: str
+    data: bytes  # encoded bytes as stored in history and hashed for the prefix cache
+    part: ImagePart
+    note: str | None  # set when the image was downscaled
+
+
+def check_count(n: int, limits: ImageLimits) -> None:
+    if n > limits.max_images:
+        raise ImageRejected(f"{n} images attached; the limit is {limits.max_images} per message. "
+                            "Send the rest in a follow-up message.")
+
+
+def prepare_image(data: bytes, name: str, limits: ImageLimits = ImageLimits()) -> PreparedImage:
+    if len(data) > limits.max_bytes:
+        raise ImageRejected(f"{name} is {_mb(len(data))}; the limit is {_mb(limits.max_bytes)} per image.")
+    try:
+        img = Image.open(io.BytesIO(data))  # reads the header only: size is known before decoding
+    except (UnidentifiedImageError, OSError):
+        raise ImageRejected(f"{name} is not an image localchat can read (use PNG, JPEG, WebP, GIF or BMP).")
+    w, h = img.size
+    if w * h > limits.max_pixels:
+        raise ImageRejected(f"{name} is {w}×{h} = {w * h / 1e6:.0f} MP; the limit is "
+                            f"{limits.max_pixels / 1e6:.0f} MP per image.")
+    try:
+        img.load()
+    except (OSError, Image.DecompressionBombError) as e:
+        raise ImageRejected(f"{name} could not be decoded ({e}); re-save it as PNG or JPEG.")
+    fmt = img.format
+    rgb = img.convert("RGB")
+    note = None
+    if w * h > limits.target_pixels:
+        scale = math.sqrt(limits.target_pixels / (w * h))
+        nw, nh = max(1, int(w * scale)), max(1, int(h * scale))
+        rgb = rgb.resize((nw, nh), Image.Resampling.LANCZOS)
+        data = _encode(rgb, "JPEG" if fmt == "JPEG" else "PNG")
+        note = (f"{name} was {w}×{h}; downscaled to {nw}×{nh} "
+                f"(limit {limits.target_pixels / 1e6:.1f} MP) to fit the context.")
+    elif fmt not in _KEPT_FORMATS:
+        data = _encode(rgb, "PNG")
+    return PreparedImage(name, data, ImagePart(rgb, hashlib.sha256(data).hexdigest()), note)
+
+
+def _mb(n: int) -> str:
+    mb = n / 2**20
+    return f"{mb:.0f} MB" if mb >= 10 else f"{mb:.2g} MB"
+
+
+def _encode(img: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **({"quality": 92} if fmt == "JPEG" else {}))
+    return buf.getvalue()

@@ -1,0 +1,85 @@
+"""Stored conversations -> gr.Chatbot messages, and the per-answer status line.
+
+One stored message can become several chatbot messages (thinking panel, answer, status line,
+image notes), so `render` also returns, for every chatbot index, the stored position it came
+from; edit and retry events carry chatbot indices and map them back through it.
+"""
+from __future__ import annotations
+
+from localchat.app.history import DONE, ERROR, INTERRUPTED, PARTIAL, STOPPED, History, StoredMessage
+from localchat.engine.runtime.request import Final, ModelInfo
+
+
+def render(messages: list[StoredMessage], history: History) -> tuple[list[dict], list[int]]:
+    """Returns (chatbot value, stored position per chatbot index)."""
+    out: list[dict] = []
+    positions: list[int] = []
+
+    def add(msg: dict, pos: int) -> None:
+        out.append(msg)
+        positions.append(pos)
+
+    for m in messages:
+        if m.role == "user":
+            content: list = [{"path": str(history.image_path(s))} for s in m.images]
+            if m.text:
+                content.append(m.text)
+            add({"role": "user", "content": content or [""]}, m.position)
+            for note in m.stats.get("notes", []):
+                add({"role": "assistant", "content": note, "metadata": {"title": "ℹ️ Image downscaled",
+                                                                       "status": "done"}}, m.position)
+            continue
+        live = m.status == PARTIAL
+        if m.reasoning:
+            meta = {"title": "Thinking", "status": "pending" if live and not m.text else "done"}
+            if m.stats.get("thinking_s"):
+                meta["duration"] = round(m.stats["thinking_s"], 1)
+            add({"role": "assistant", "content": m.reasoning, "metadata": meta}, m.position)
+        if m.text or not m.reasoning:
+            add({"role": "assistant", "content": m.text or ("…" if live else "(no answer)")}, m.position)
+        if not live:
+            summary, details = status_line(m)
+            add({"role": "assistant", "content": details, "metadata": {"title": summary, "status": "done"}},
+                m.position)
+    return out, positions
+
+
+def answer_stats(final: Final | None, context_length: int, thinking_s: float | None) -> dict:
+    """What the status line shows, stored with the answer so it renders the same after a restart."""
+    if final is None:
+        return {"finish_reason": "abort"}
+    t = final.timings
+    return {"finish_reason": final.finish_reason, "prompt_tokens": final.prompt_tokens,
+            "completion_tokens": final.completion_tokens, "context_length": context_length,
+            "image_encode_s": t.image_encode, "prefill_s": t.prefill, "first_token_s": t.first_token,
+            "decode_s": t.decode, "queued_s": getattr(t, "queued", 0.0), "tokens_per_s": t.decode_tokens_per_s, "thinking_s": thinking_s,
+            "error": final.error}
+
+
+def status_line(m: StoredMessage) -> tuple[str, str]:
+    """(one-line summary shown as the collapsed title, the TTFT split shown when opened)."""
+    s = m.stats
+    mark = {DONE: "", STOPPED: "⏹ stopped · ", INTERRUPTED: "⚠ interrupted · ", ERROR: "⚠ error · "}
+    head = mark.get(m.status, "")
+    if "prompt_tokens" not in s:
+        return head.rstrip(" ·") or "no statistics", "The answer ended before the engine reported timings."
+    ttft = s["image_encode_s"] + s["prefill_s"] + s["first_token_s"]
+    used = s["prompt_tokens"] + s["completion_tokens"]
+    summary = (f"{head}{s['tokens_per_s']:.1f} tok/s · TTFT {ttft:.2f} s · "
+               f"context {used:,} / {s['context_length']:,}")
+    details = (f"TTFT {ttft:.3f} s = image encode {s['image_encode_s']:.3f} s + prompt "
+               f"{s['prefill_s']:.3f} s + first token {s['first_token_s']:.3f} s  \n"
+               f"{s['prompt_tokens']:,} prompt tokens, {s['completion_tokens']:,} answer tokens, "
+               f"decode {s['decode_s']:.2f} s, queued {s.get('queued_s', 0.0):.2f} s, "
+               f"finish: {s['finish_reason']}")
+    if s.get("error"):
+        details += f"  \nerror: {s['error']}"
+    return summary, details
+
+
+def model_markdown(info: ModelInfo) -> str:
+    reasoning = "thinking on/off (GLM)" if info.reasoning == "thinking" else "reasoning effort low/medium/high"
+    weights = f"{info.weights_bytes / 1e9:.1f} GB" if info.weights_bytes else "unknown"
+    return (f"**{info.name}** ({info.family})  \n"
+            f"context {info.context_length:,} tokens · images {'yes' if info.supports_images else 'no'}  \n"
+            f"reasoning: {reasoning}  \nplacement: {info.placement} · weights {weights}")

@@ -1,0 +1,118 @@
+"""/v1 through the official openai client (and httpx for raw shapes) against a live server."""
+import base64
+import time
+
+import httpx
+import openai
+import pytest
+
+from fake_engine import FakeEngine
+from live_server import LiveServer, png_bytes
+from localchat.app.ui import create_app
+from localchat.engine.runtime.request import ImagePart, TextPart
+
+KEY = "sk-local-test"
+
+
+@pytest.fixture
+def api(history):
+    engine = FakeEngine(delay=0.002, filler_words=6)
+    with LiveServer(create_app(engine, history, api_key=KEY)) as srv:
+        yield engine, openai.OpenAI(base_url=srv.url + "v1", api_key=KEY, max_retries=0), srv
+
+
+def test_models_and_plain_completion(api):
+    engine, client, _ = api
+    assert [m.id for m in client.models.list()] == ["fake-glm"]
+    r = client.chat.completions.create(
+        model="fake-glm", messages=[{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"}],
+        temperature=0.3, top_p=0.9, max_tokens=50, stop=["zzz"], seed=7)
+    msg = r.choices[0].message
+    assert msg.content == "Seen 0 image(s). You said: hi w0 w1 w2 w3 w4 w5"
+    assert msg.model_extra["reasoning_content"] == "Let me look. "
+    assert r.choices[0].finish_reason == "stop" and r.object == "chat.completion"
+    assert r.usage.completion_tokens == 10 and r.usage.total_tokens == r.usage.prompt_tokens + 10
+    s = engine.requests[-1].sampling
+    assert (s.temperature, s.top_p, s.max_tokens, s.stop, s.seed) == (0.3, 0.9, 50, ("zzz",), 7)
+    assert [m.role for m in engine.requests[-1].messages] == ["system", "user"]
+    r = client.chat.completions.create(model="fake-glm", messages=[{"role": "user", "content": "hi"}],
+                                       max_completion_tokens=4, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].finish_reason == "length" and engine.requests[-1].thinking is False
+    assert "reasoning_content" not in r.choices[0].message.model_extra
+
+
+def test_streaming_with_image_part_and_usage(api):
+    engine, client, _ = api
+    url = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
+    stream = client.chat.completions.create(
+        model="fake-glm", stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "describe"},
+                                               {"type": "image_url", "image_url": {"url": url}}]}])
+    chunks = list(stream)
+    reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert reasoning == "Let me look. " and content.startswith("Seen 1 image(s). You said: describe")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].choices == []
+    parts = engine.requests[-1].messages[0].content
+    assert isinstance(parts[0], TextPart) and isinstance(parts[1], ImagePart) and parts[1].image.size == (32, 24)
+
+
+def test_errors_use_openai_format(api):
+    engine, client, srv = api
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="fake-glm", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
+    assert e.value.status_code == 400 and e.value.code == "image_url_not_supported"
+    assert "offline" in e.value.message and e.value.param == "messages[0].content[0]"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    assert e.value.code == "model_not_found"
+    headers = {"Authorization": f"Bearer {KEY}"}
+    cases = [({"messages": []}, "messages"), ({"messages": [{"role": "user", "content": "x"}], "temperature": 5}, "temperature"),
+             ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+             ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
+              "messages[0].content[0]")]
+    for body, param in cases:
+        r = httpx.post(srv.url + "v1/chat/completions", json=body, headers=headers)
+        err = r.json()["error"]
+        assert r.status_code == 400 and set(err) == {"message", "type", "param", "code"} and err["param"] == param
+    r = httpx.post(srv.url + "v1/chat/completions", content=b"{not json", headers=headers)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert httpx.get(srv.url + "v1/nothing", headers=headers).json()["error"]["code"] == "unknown_url"
+    assert engine.requests == []
+
+
+def test_api_key_required_when_set(api):
+    _, client, srv = api
+    for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.get(srv.url + "v1/models", headers=auth)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    bad = openai.OpenAI(base_url=srv.url + "v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="fake-glm", messages=[{"role": "user", "content": "x"}])
+
+
+def test_no_key_needed_on_loopback_without_key(history):
+    with LiveServer(create_app(FakeEngine(), history)) as srv:
+        assert httpx.get(srv.url + "v1/models").json()["data"][0]["id"] == "fake-glm"
+
+
+def test_client_disconnect_aborts_engine_stream(api):
+    engine, _, srv = api
+    engine.delay, engine.filler_words = 0.02, 1000
+    body = {"model": "fake-glm", "stream": True, "messages": [{"role": "user", "content": "go"}]}
+    with httpx.stream("POST", srv.url + "v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(8)]
+    assert any(line.startswith("data: {") for line in got)
+    t = time.time()
+    while not engine.closed and time.time() - t < 5:
+        time.sleep(0.02)
+    stream = engine.streams[-1]
+    assert stream in engine.closed, "closing the HTTP stream must close the engine stream"
+    t = time.time()
+    while stream.finish_reason is None and time.time() - t < 5:
+        time.sleep(0.02)
+    assert stream.finish_reason == "abort"

@@ -1,0 +1,127 @@
+"""History: CRUD, search, export, WAL, persistence across restarts and a SIGKILL mid-answer."""
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+from live_server import png_bytes
+from localchat.app.history import DONE, INTERRUPTED, ChatSettings, History
+
+
+def test_crud_settings_and_restart(tmp_path):
+    h = History(tmp_path)
+    cid = h.create("Cats", ChatSettings(system_prompt="be brief", temperature=0.2, thinking=False))
+    sha = h.put_image(png_bytes())
+    h.add_message(cid, "user", "what cat?", images=[sha, sha])
+    mid = h.begin_answer(cid)
+    h.finish_answer(mid, "a tabby", "stripes suggest tabby", {"tokens_per_s": 12.5})
+    h.rename(cid, "  Tabby  ")
+    h.close()
+    h = History(tmp_path)  # a restart sees everything
+    conv = h.get(cid)
+    assert conv.title == "Tabby" and conv.settings.system_prompt == "be brief" and conv.settings.thinking is False
+    assert [(m.role, m.text, m.status) for m in conv.messages] == [("user", "what cat?", DONE), ("assistant", "a tabby", DONE)]
+    assert conv.messages[0].images == [sha, sha] and conv.messages[1].reasoning == "stripes suggest tabby"
+    assert conv.messages[1].stats == {"tokens_per_s": 12.5}
+    assert h.image_path(sha).read_bytes() == png_bytes()
+    assert sqlite3.connect(h.db_path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert h._db.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+    assert h._db.execute("SELECT version FROM schema_version").fetchone()[0] == 1
+
+
+def test_images_deduplicated_and_collected_on_delete(tmp_path, monkeypatch):
+    import localchat.app.history as history_mod
+
+    monkeypatch.setattr(history_mod, "_FRESH_IMAGE_S", 0.0)
+    h = History(tmp_path)
+    a, b = h.create("a"), h.create("b")
+    shared, own = h.put_image(png_bytes(color=(1, 1, 1))), h.put_image(png_bytes(color=(2, 2, 2)))
+    assert h.put_image(png_bytes(color=(1, 1, 1))) == shared
+    h.add_message(a, "user", "x", images=[shared, own])
+    h.add_message(b, "user", "y", images=[shared])
+    assert len(list(h.images_dir.rglob("*.png"))) == 2
+    h.delete(a)
+    assert not h.exists(a) and h.image_path(shared).exists()
+    with pytest.raises(KeyError):
+        h.image_path(own)
+    assert len(list(h.images_dir.rglob("*.png"))) == 1
+    h.truncate(b, 0)
+    assert list(h.images_dir.rglob("*.png")) == [] and h.get(b).messages == []
+
+
+def test_list_search_and_truncate(tmp_path):
+    h = History(tmp_path)
+    a = h.create("Holiday plans")
+    b = h.create("Work")
+    h.add_message(b, "user", "The QUARTERLY report 100%")
+    h.add_message(b, "assistant", "done")
+    h.add_message(a, "user", "beach")
+    assert [c[0] for c in h.list()] == [a, b]  # newest activity first
+    assert [c[0] for c in h.list("quarterly")] == [b]
+    assert [c[0] for c in h.list("holiday")] == [a]
+    assert [c[0] for c in h.list("100%")] == [b] and h.list("1_0") == []  # LIKE wildcards are literal
+    h.truncate(b, 1)
+    assert [m.text for m in h.get(b).messages] == ["The QUARTERLY report 100%"]
+    h.add_message(b, "assistant", "again")
+    assert [m.position for m in h.get(b).messages] == [0, 1]
+
+
+def test_export_json_and_markdown(tmp_path):
+    h = History(tmp_path)
+    cid = h.create("Export me", ChatSettings(system_prompt="sys"))
+    sha = h.put_image(png_bytes())
+    h.add_message(cid, "user", "look", images=[sha])
+    mid = h.begin_answer(cid)
+    h.finish_answer(mid, "An answer with $x^2$.", "I think", {"completion_tokens": 5})
+    data = json.loads(h.export_json(cid))
+    assert data["title"] == "Export me" and data["settings"]["system_prompt"] == "sys"
+    assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
+    img = data["messages"][0]["images"][0]
+    assert img["sha256"] == sha and img["data_url"].startswith("data:image/png;base64,")
+    assert data["messages"][1]["reasoning"] == "I think"
+    assert "data_url" not in json.loads(h.export_json(cid, embed_images=False))["messages"][0]["images"][0]
+    md = h.export_markdown(cid, embed_images=False)
+    assert md.startswith("# Export me") and "> **System:** sys" in md
+    assert f"![image 1]({sha}.png)" in md and "<details><summary>Thinking</summary>" in md
+    assert md.index("## User") < md.index("## Assistant") < md.index("An answer with $x^2$.")
+
+
+_WRITER = r"""
+import sys, time
+from localchat.app.history import History
+h = History(sys.argv[1])
+cid = h.create("crash test")
+for i in range(3):
+    h.add_message(cid, "user", f"question {i}")
+    mid = h.begin_answer(cid)
+    h.finish_answer(mid, f"answer {i}", "", {})
+h.add_message(cid, "user", "question 3")
+mid = h.begin_answer(cid)
+text = ""
+for i in range(10_000):
+    text += f" tok{i}"
+    if i % 5 == 0:
+        h.checkpoint(mid, text, "")
+    if i == 50:
+        print(cid, flush=True)
+    time.sleep(0.001)
+"""
+
+
+def test_sigkill_mid_answer_loses_only_the_answer_in_flight(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    cid = proc.stdout.readline().strip()
+    time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    conv = History(tmp_path).get(cid)
+    msgs = conv.messages
+    assert [m.text for m in msgs[:7]] == ["question 0", "answer 0", "question 1", "answer 1", "question 2",
+                                          "answer 2", "question 3"]
+    assert all(m.status == DONE for m in msgs[:7])
+    assert len(msgs) == 8 and msgs[7].status == INTERRUPTED and msgs[7].text.startswith(" tok0 tok1")
