@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="answer one question and exit",
                          description="Answer one question with a local checkpoint; stream the answer to stdout.")
-    run.add_argument("model", help="checkpoint directory (config.json, safetensors, tokenizer)")
+    run.add_argument("model", help="a registry name (glm-4.5v-fp8, gpt-oss-20b, ...), a Hub repo id or a checkpoint directory")
     run.add_argument("--prompt", required=True, help="the question")
     run.add_argument("--image", action="append", default=[], metavar="PATH",
                      help="an image to ask about (repeat for several; they come before the text, in order)")
@@ -38,10 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-thinking", action="store_true", help="GLM: answer without a thinking phase")
     run.add_argument("--reasoning-effort", default="medium", choices=["low", "medium", "high"], help="gpt-oss")
     run.add_argument("--show-reasoning", action="store_true", help="also stream the reasoning, to stderr")
+    run.add_argument("--offline", action="store_true", help="use the local cache only, never the network")
     run.add_argument("--json", action="store_true",
                      help="print one JSON object: prompt_token_ids, token_ids, text, reasoning, finish_reason, timings")
     _add_engine_args(run)
     run.set_defaults(func=cmd_run)
+
+    from .model_commands import add_model_commands
+
+    add_model_commands(sub)
     return parser
 
 
@@ -83,17 +88,22 @@ def _request(args, model_dir: Path):
                        reasoning_effort=args.reasoning_effort)
 
 
-def _load_engine(args):
+def _model_dir(args) -> Path:
+    """A local checkpoint directory for MODEL, downloading it on first use."""
+    from ..engine.hub import ensure_local
+
+    return Path(ensure_local(args.model, offline=args.offline or None))
+
+
+def _load_engine(args, model_dir: Path):
     from ..engine.runtime.engine import Engine
 
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        raise UserError(f"no such checkpoint directory: {model_dir}")
     progress = None
     if sys.stderr.isatty() and not getattr(args, "json", False):
         def progress(done, total, file):  # noqa: E306
             print(f"\rloading {Path(file).name}: {done / max(total, 1):6.1%}", end="", file=sys.stderr, flush=True)
-    engine = Engine(model_dir, device=args.device, dtype=args.dtype, max_context=args.max_context, on_progress=progress)
+    engine = Engine(model_dir, device=args.device, dtype=args.dtype, max_context=args.max_context,
+                    on_progress=progress, name=args.model)
     if progress:
         print(file=sys.stderr)
     return engine
@@ -102,9 +112,9 @@ def _load_engine(args):
 def cmd_run(args) -> int:
     from ..engine.runtime.request import Delta, Final
 
-    model_dir = Path(args.model)
+    model_dir = _model_dir(args)
     request = _request(args, model_dir)
-    engine = _load_engine(args)
+    engine = _load_engine(args, model_dir)
     token_ids: list[int] = []
     text, reasoning = [], []
     final = None
@@ -140,6 +150,8 @@ def cmd_run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..engine.hub_errors import HubError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -152,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except HubError as e:
+        print(f"localchat: {e}", file=sys.stderr)
+        return 1
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"localchat: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,176 @@
+"""Decode attention (one new query per sequence) over a paged KV cache, split over the sequence.
+
+Cache layout: k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]; sequence b's
+token j lives in block block_tables[b, j // block_size], slot j % block_size. The query is
+the token at position context_lens[b] - 1, whose k/v are already in the cache.
+
+Masking: keys 0..i, and with a sliding window only i - window < j (gpt-oss, models.md C.4).
+Sinks: one logit per query head added to the softmax denominator with no value.
+
+Flash-decoding: grid (B, kv_heads, num_splits); each program serves all G = Hq / Hkv query
+heads of one KV head (the K/V tile is read once for the group) over one slice of the keys and
+writes an unnormalised partial (acc, max, sum); a combine kernel merges the slices and adds
+the sink. num_splits depends only on static shapes, so the launch is CUDA-graph safe.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, mid_ml_ptr,
+                         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                         stride_tb, qk_scale, window, block_size, HQ,
+                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(lens_ptr + b)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx - window, 0)
+    per_split = tl.cdiv(tl.cdiv(ctx - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    heads = kvh * G + g
+    g_mask = g < G
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+    q = (q.to(tl.float32) * qk_scale).to(k_ptr.dtype.element_ty)  # scale folded in, log2 domain
+
+    m = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((G_PAD,), dtype=tl.float32)
+    acc = tl.zeros((G_PAD, D), dtype=tl.float32)
+    for j0 in range(start, end, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        j_mask = j < end
+        page = tl.load(tables_ptr + b * stride_tb + j // block_size, mask=j_mask, other=0).to(tl.int64)
+        slot = j % block_size
+        k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                    mask=j_mask[:, None], other=0.0)
+        v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                    mask=j_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k))
+        s = tl.where(j_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    row = (b * HQ + heads) * NUM_SPLITS + split
+    tl.store(mid_o_ptr + row[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
+    tl.store(mid_ml_ptr + row * 2, m, mask=g_mask)
+    tl.store(mid_ml_ptr + row * 2 + 1, l, mask=g_mask)
+
+
+@triton.jit
+def _decode_combine_kernel(mid_o_ptr, mid_ml_ptr, sinks_ptr, out_ptr, stride_ob, stride_oh, HQ,
+                           D: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+                           HAS_SINKS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    s_mask = s < NUM_SPLITS
+    d = tl.arange(0, D)
+    row = (b * HQ + h) * NUM_SPLITS + s
+    m = tl.load(mid_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(mid_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
+    o = tl.load(mid_o_ptr + row[:, None] * D + d[None, :], mask=s_mask[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink)
+    w = tl.where(s_mask & (m > float("-inf")), tl.exp2(m - m_all), 0.0)
+    denom = tl.sum(l * w, axis=0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m_all)
+    out = tl.sum(o * w[:, None], axis=0) / denom
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def default_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, num_sms: int = 132) -> int:
+    """Enough (batch x kv head x split) programs for ~2 per SM, at most one split per key tile."""
+    want = triton.cdiv(2 * num_sms, batch * kv_heads)
+    return max(1, min(want, 64, triton.cdiv(max_context, block_n)))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           sinks: torch.Tensor | None = None, window: int | None = None,
+                           num_splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+    """q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
+    int32; context_lens [B] int32 (>= 1, the query's own key included); sinks [Hq] or None;
+    window: keys i - window < j <= i. Returns [B, Hq, D] in q.dtype."""
+    bsz, hq, d = q.shape
+    _, block_size, hkv, dk = k_cache.shape
+    if dk != d or hq % hkv or d & (d - 1):
+        raise ValueError(f"q [.., {hq}, {d}] vs cache [.., {hkv}, {dk}]: need equal power-of-two head_dim "
+                         "and query heads a multiple of KV heads")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q and the caches must be contiguous along head_dim")
+    group = hq // hkv
+    if num_splits is None:
+        num_splits = default_num_splits(bsz, hkv, block_tables.shape[1] * block_size, block_n)
+    out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
+    if bsz == 0:
+        return out
+    mid_o = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
+    mid_ml = torch.empty((bsz, hq, num_splits, 2), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(bsz, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_ml,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        scale * LOG2E, window or 0, block_size, hq,
+        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, num_warps=4, num_stages=3)
+    _decode_combine_kernel[(bsz, hq)](
+        mid_o, mid_ml, sinks if sinks is not None else q, out, out.stride(0), out.stride(1), hq,
+        D=d, NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None)
+    return out
+
+
+def gather_paged(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first `length` tokens from a paged cache -> [length, Hkv, D]."""
+    block_size = cache.shape[1]
+    j = torch.arange(length, device=cache.device)
+    return cache[table.long()[j // block_size], j % block_size]
+
+
+def attention_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
+                       sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """q [T, Hq, D] at positions [T]; k, v [S, Hkv, D] for positions 0..S-1 -> [T, Hq, D] fp32."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    kf = k.float().repeat_interleave(hq // hkv, dim=1)
+    vf = v.float().repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), kf) * scale
+    j = torch.arange(k.shape[0], device=q.device)
+    allowed = j[None, :] <= positions[:, None]
+    if window is not None:
+        allowed &= j[None, :] > positions[:, None] - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.float().view(hq, 1, 1).expand(hq, t, 1)), dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., : k.shape[0]]
+    return torch.einsum("hts,shd->thd", probs, vf)
+
+
+def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sinks=None, window=None,
+                               num_splits=None, block_n=64) -> torch.Tensor:
+    outs = []
+    for b in range(q.shape[0]):
+        ctx = int(context_lens[b])
+        k = gather_paged(k_cache, block_tables[b], ctx)
+        v = gather_paged(v_cache, block_tables[b], ctx)
+        pos = torch.tensor([ctx - 1], device=q.device)
+        outs.append(attention_rows_ref(q[b:b + 1], k, v, pos, scale, sinks, window)[0])
+    return torch.stack(outs).to(q.dtype)

@@ -1,0 +1,100 @@
+"""FP8 (e4m3) dense linear y = x @ W^T (+ b) with channel, tensor or block weight scales.
+
+Small M (decode): a weight-only Triton kernel that streams W once, dequantising in registers
+(the same tile code as the MoE GEMMs, with one "expert"), split over N so 1 token fills the
+GPU. Large M with channel/tensor scales on CUDA: torch._scaled_mm on FP8 tensor cores, with the
+activations quantised per token on the fly (dynamic scales, as compressed-tensors FP8_DYNAMIC
+checkpoints expect, models.md B). Block scales at large M stay on the Triton kernel.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..engine.weights.formats import Fp8Weight
+from .moe_gemm import FMT_FP8_BLK, FMT_FP8_ROW, _row_scale, _weight_dot
+
+FP8_MAX = 448.0
+SCALED_MM_MIN_M = 64
+
+
+@triton.jit
+def _fp8_linear_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, b_ptr, out_ptr, stride_om,
+                       M, N, K, FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_valid = m < M
+    rows = tl.where(m_valid, m, 0).to(tl.int64)
+    n_mask = n < N
+    zero = tl.program_id(0) * 0  # the "expert" index of the shared tile code
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc = _weight_dot(acc, w_ptr, s_ptr, zero, n, n_mask, k0, K, x_ptr, rows, m_valid, stride_xm,
+                          0, stride_wn, 0, stride_sn, stride_sk, FORMAT, False, SBN, SBK, BLOCK_K, "bf16")
+    acc = _row_scale(acc, s_ptr, zero, n, n_mask, 0, stride_sn, FORMAT)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows[None, :] * stride_om + n[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=m_valid[None, :] & n_mask[:, None])
+
+
+def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, on_gpu: bool) -> torch.Tensor:
+    m, k = x.shape
+    n = w.weight.shape[0]
+    if w.block is None:
+        fmt, sbn, sbk = FMT_FP8_ROW, 1, 1
+        s = w.scale.to(torch.float32).expand(n, 1)[:, 0]
+        s_strides = (s.stride(0), 0)
+    else:
+        fmt, (sbn, sbk) = FMT_FP8_BLK, w.block
+        s = w.scale.to(torch.float32)
+        s_strides = (s.stride(0), s.stride(1))
+    if on_gpu:
+        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        block_n, block_k, warps, stages = (32, 128, 4, 4) if m <= 32 else (64, 128, 4, 3)
+    else:
+        block_m, block_n, block_k, warps, stages = 16, 32, 32, 1, 1
+    if fmt == FMT_FP8_BLK and sbk % block_k:
+        block_k = sbk
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _fp8_linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        x, x.stride(0), w.weight, w.weight.stride(0), s, *s_strides, bias if bias is not None else x, out,
+        out.stride(0), m, n, k, FORMAT=fmt, SBN=sbn, SBK=sbk, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    return out
+
+
+def _scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    x_scale = x.abs().amax(-1, keepdim=True).to(torch.float32).clamp_min(1e-12) / FP8_MAX
+    x_fp8 = (x.to(torch.float32) / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    w_scale = w.scale.to(torch.float32).expand(w.weight.shape[0], 1).reshape(1, -1).contiguous()
+    out = torch._scaled_mm(x_fp8, w.weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
+    return out if bias is None else out + bias.to(x.dtype)
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32), w [N, K] e4m3 with scales -> [..., N] in x.dtype."""
+    if w.weight.dim() != 2 or x.shape[-1] != w.weight.shape[1]:
+        raise ValueError(f"x [..., {x.shape[-1]}] does not match the FP8 weight {tuple(w.weight.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    on_gpu = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    k, n = w.weight.shape[1], w.weight.shape[0]
+    if on_gpu and w.block is None and x2.shape[0] >= SCALED_MM_MIN_M and k % 16 == 0 and n % 16 == 0 \
+            and x.dtype != torch.float32:
+        out = _scaled_mm_linear(x2, w, bias)
+    else:
+        out = _triton_fp8_linear(x2, w, bias, on_gpu)
+    return out.reshape(*lead, n)
+
+
+def fp8_linear_ref(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = x.to(torch.float32) @ w.dequantize(torch.float32).T
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)

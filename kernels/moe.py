@@ -1,0 +1,236 @@
+"""Fused MoE forward: x [T, H] -> sum over the k routed experts of w * down(act(gate, up)).
+
+Pipeline (5 launches, all shapes fixed by T, k, E: safe inside a CUDA graph):
+moe_align (group pairs by expert) -> moe_gate_up_kernel (gate and up GEMMs with the GLU fused)
+-> moe_down_kernel (down GEMM, down bias and routing weight fused) -> moe_combine_kernel.
+Routing (topk_weights, topk_ids) comes from kernels/moe_routing.py.
+
+Weights stay in their checkpoint format (kernels/moe_gemm.py lists the four). The expert
+stacks are described once at load time by an `MoeExperts` record: gate and up may be two
+stacks (GLM checkpoints store one tensor per expert; the loader stacks them) or views of one
+fused [E, 2I, H] tensor, concatenated (transformers' GLM layout) or row-interleaved (gpt-oss);
+`split_gate_up` makes those views without copying.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight
+from .moe_align import moe_align
+from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4,
+                       moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
+
+ACTIVATIONS = {"silu_glu": ACT_SILU_GLU, "swiglu_clamped": ACT_SWIGLU_OAI}
+
+
+@dataclass(frozen=True)
+class MoeExperts:
+    """gate, up: [E, I, H]; down: [E, H, I]; biases [E, I] / [E, H] or None.
+    activation: "silu_glu" (GLM: silu(g) * u) or "swiglu_clamped" (gpt-oss, alpha/limit)."""
+
+    gate: LinearWeight
+    up: LinearWeight
+    down: LinearWeight
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    activation: str = "silu_glu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.gate.shape[-2]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.gate.shape[-1]
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    mx_dot_scaled: bool = True  # MXFP4 through tl.dot_scaled, else the in-kernel bit decode
+
+
+def _rows(w: LinearWeight, rows: slice) -> LinearWeight:
+    if isinstance(w, DenseWeight):
+        return DenseWeight(w.weight[:, rows])
+    if isinstance(w, Mxfp4Weight):
+        return Mxfp4Weight(w.blocks[:, rows], w.scales[:, rows])
+    if w.block is not None:
+        bn = w.block[0]
+        if rows.step not in (None, 1) or rows.start % bn:
+            raise ValueError(f"block-scaled FP8 gate/up rows can only be split on {bn}-row block "
+                             "boundaries; pass gate and up as two stacks instead")
+        stop = None if rows.stop is None else triton.cdiv(rows.stop, bn)
+        return Fp8Weight(w.weight[:, rows], w.scale[:, rows.start // bn: stop], w.block)
+    scale = w.scale if w.scale.shape[-2] == 1 else w.scale[:, rows]
+    return Fp8Weight(w.weight[:, rows], scale, None)
+
+
+def split_gate_up(gate_up: LinearWeight, interleaved: bool) -> tuple[LinearWeight, LinearWeight]:
+    """[E, 2I, H] -> (gate, up) views. interleaved: even rows gate, odd rows up (gpt-oss,
+    models.md C.3); else gate rows first, then up rows (transformers' fused GLM layout)."""
+    two_i = gate_up.shape[-2]
+    if interleaved:
+        return _rows(gate_up, slice(0, None, 2)), _rows(gate_up, slice(1, None, 2))
+    return _rows(gate_up, slice(0, two_i // 2)), _rows(gate_up, slice(two_i // 2, None))
+
+
+def gpt_oss_experts(gate_up: LinearWeight, gate_up_bias: torch.Tensor, down: LinearWeight,
+                    down_bias: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> MoeExperts:
+    """gate_up [E, 2I, H] with interleaved rows, gate_up_bias [E, 2I], down [E, H, I]."""
+    gate, up = split_gate_up(gate_up, interleaved=True)
+    return MoeExperts(gate, up, down, gate_up_bias[:, 0::2], gate_up_bias[:, 1::2], down_bias,
+                      "swiglu_clamped", alpha, limit)
+
+
+def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool) -> MoeConfig:
+    """Tile sizes by the expected pairs per expert (uniform routing); decode sizes get
+    BLOCK_M=16 (the smallest tensor-core M) and narrow N tiles, so a handful of experts still
+    spreads over every SM as a stream of weight rows."""
+    if not on_gpu:
+        return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
+    per_expert = num_pairs / max(num_experts, 1)
+    block_k = 256 if fmt == FMT_MXFP4 else 128
+    if per_expert <= 16:
+        return MoeConfig(16, 32, block_k, 4, 4)
+    if per_expert <= 48:
+        return MoeConfig(32, 64, block_k, 4, 4)
+    return MoeConfig(64, 128, 128 if fmt == FMT_MXFP4 else 64, 8, 3)
+
+
+def _kernel_weight(w: LinearWeight) -> tuple[int, torch.Tensor, torch.Tensor, tuple[int, int, int], tuple[int, int]]:
+    """-> (format, weight [E, N, K'], scale, scale strides (e, n, k), scale block (bn, bk))."""
+    if isinstance(w, DenseWeight):
+        t = w.weight
+        return FMT_DENSE, t, t, (0, 0, 0), (1, 1)
+    if isinstance(w, Mxfp4Weight):
+        e, n, kb, _ = w.blocks.shape
+        t = w.blocks.reshape(e, n, kb * 16)
+        s = w.scales
+        return FMT_MXFP4, t, s, (s.stride(0), s.stride(1), s.stride(2)), (1, 32)
+    e, n, _ = w.weight.shape
+    if w.block is None:
+        s = w.scale.to(torch.float32).expand(e, n, 1)[..., 0]
+        return FMT_FP8_ROW, w.weight, s, (s.stride(0), s.stride(1), 0), (1, 1)
+    s = w.scale if w.scale.dtype == torch.float32 else w.scale.to(torch.float32)
+    return FMT_FP8_BLK, w.weight, s, (s.stride(0), s.stride(1), s.stride(2)), w.block
+
+
+def _check(t: torch.Tensor, what: str) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{what} must be contiguous along K (stride 1), got strides {t.stride()}")
+
+
+def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              config: MoeConfig | None = None) -> torch.Tensor:
+    """x [T, H] (bf16/fp16/fp32; MXFP4 needs bf16/fp16), topk_weights [T, k] float32,
+    topk_ids [T, k] int -> [T, H] in x.dtype."""
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    e, i = experts.num_experts, experts.intermediate_size
+    if experts.hidden_size != h or experts.down.shape[-2:] != (h, i):
+        raise ValueError(f"x [{t}, {h}] does not match experts gate {experts.gate.shape} / down {experts.down.shape}")
+    fmt, wg, sg, s_strides, sblock = _kernel_weight(experts.gate)
+    fmt_u, wu, su, s_strides_u, _ = _kernel_weight(experts.up)
+    fmt_d, wd, sd, sd_strides, sdblock = _kernel_weight(experts.down)
+    if fmt != fmt_u or wg.stride() != wu.stride() or s_strides != s_strides_u:
+        raise ValueError("gate and up must share format and strides (views of one stack or equal stacks)")
+    for tensor, name in ((wg, "gate"), (wd, "down")):
+        _check(tensor, name)
+    if fmt == FMT_MXFP4 and x.dtype == torch.float32:
+        raise ValueError("MXFP4 experts need bf16 or fp16 activations")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    on_gpu = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    cfg = config or default_config(t * k, e, fmt, on_gpu)
+    if (fmt == FMT_FP8_BLK and sblock[1] % cfg.block_k) or (fmt_d == FMT_FP8_BLK and sdblock[1] % cfg.block_k):
+        raise ValueError(f"block_k {cfg.block_k} must divide the FP8 scale block {sblock}")
+    num_pairs = t * k
+    sorted_ids, block_expert = moe_align(topk_ids, e, cfg.block_m)
+    b_max = block_expert.numel()
+    act = torch.empty((num_pairs, i), dtype=x.dtype, device=x.device)
+    has_bias = experts.gate_bias is not None
+    bg = experts.gate_bias if has_bias else x
+    bu = experts.up_bias if has_bias else x
+    if has_bias and bg.stride() != bu.stride():
+        raise ValueError("gate and up biases must share strides")
+    x_fmt = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "fp32")
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    moe_gate_up_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
+        x, x.stride(0), wg, wu, wg.stride(0), wg.stride(1), sg, su, *s_strides,
+        bg, bu, bg.stride(0) if has_bias else 0, bg.stride(1) if has_bias else 0,
+        act, act.stride(0), sorted_ids, block_expert, num_pairs, i, h, k,
+        float(experts.alpha), float(experts.limit),
+        FORMAT=fmt, MX_DOT_SCALED=cfg.mx_dot_scaled, SBN=sblock[0], SBK=sblock[1], X_FMT=x_fmt,
+        ACT=ACTIVATIONS[experts.activation], HAS_BIAS=has_bias,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+    y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
+    has_down_bias = experts.down_bias is not None
+    bd = experts.down_bias if has_down_bias else x
+    pair_weights = topk_weights.reshape(-1).to(torch.float32)
+    moe_down_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
+        act, act.stride(0), wd, wd.stride(0), wd.stride(1), sd, *sd_strides,
+        bd, bd.stride(0) if has_down_bias else 0, pair_weights, y, y.stride(0),
+        sorted_ids, block_expert, num_pairs, h, i,
+        FORMAT=fmt_d, MX_DOT_SCALED=cfg.mx_dot_scaled, SBN=sdblock[0], SBK=sdblock[1], X_FMT=x_fmt,
+        HAS_BIAS=has_down_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+    block_h = min(1024, triton.next_power_of_2(h))
+    moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, out, h, TOP_K=k, BLOCK_H=block_h)
+    return out
+
+
+def expert_slice(w: LinearWeight, e: int) -> LinearWeight:
+    if isinstance(w, DenseWeight):
+        return DenseWeight(w.weight[e])
+    if isinstance(w, Mxfp4Weight):
+        return Mxfp4Weight(w.blocks[e], w.scales[e])
+    return Fp8Weight(w.weight[e], w.scale[e], w.block)
+
+
+def fused_moe_ref(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  config: MoeConfig | None = None) -> torch.Tensor:
+    """Per-expert loop in float32 over exactly dequantised weights; the activation between the
+    two GEMMs is rounded to x.dtype as the kernel stores it."""
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    xf = x.to(torch.float32)
+    out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1).to(torch.int64)
+    for e in flat_ids.unique().tolist():
+        pairs = (flat_ids == e).nonzero().flatten()
+        tokens = pairs // k
+        g = xf[tokens] @ expert_slice(experts.gate, e).dequantize().T
+        u = xf[tokens] @ expert_slice(experts.up, e).dequantize().T
+        if experts.gate_bias is not None:
+            g = g + experts.gate_bias[e].to(torch.float32)
+            u = u + experts.up_bias[e].to(torch.float32)
+        if experts.activation == "silu_glu":
+            a = torch.nn.functional.silu(g) * u
+        else:
+            g = g.clamp(max=experts.limit)
+            u = u.clamp(-experts.limit, experts.limit)
+            a = g * torch.sigmoid(experts.alpha * g) * (u + 1.0)
+        a = a.to(x.dtype).to(torch.float32)
+        y = a @ expert_slice(experts.down, e).dequantize().T
+        if experts.down_bias is not None:
+            y = y + experts.down_bias[e].to(torch.float32)
+        w = topk_weights.reshape(-1)[pairs].to(torch.float32)
+        out.index_add_(0, tokens, y * w[:, None])
+    return out.to(x.dtype)

@@ -1,0 +1,199 @@
+"""Grouped MoE GEMMs over expert-sorted (token, expert) pairs (see moe_align.py).
+
+Each program owns one BLOCK_M slice of pairs (all of one expert) and BLOCK_N output features,
+and computes the transposed tile out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, K] @ X^T [K, BLOCK_M],
+so the weight is the left operand: that is the orientation `tl.dot_scaled` wants for MXFP4
+weights packed along K, and at decode (one real row per block) the program is a stream over
+BLOCK_N weight rows. Weights are read in their checkpoint format and dequantised in registers:
+
+  FMT_DENSE   weight [E, N, K] any float dtype
+  FMT_FP8_ROW float8_e4m3fn [E, N, K], scale [E, N] (channel, or tensor broadcast over N)
+  FMT_FP8_BLK float8_e4m3fn [E, N, K], scale [E, ceil(N/SBN), ceil(K/SBK)] (edge blocks partial)
+  FMT_MXFP4   uint8 [E, N, K/2] (two E2M1 codes a byte, low nibble first), scale uint8 E8M0
+              [E, N, K/32] (OCP Microscaling v1.0 section 5.3.3 / 6.3)
+
+Kernel 1 computes both gate and up tiles for the same pairs and applies the GLU activation;
+kernel 2 applies the down projection, the down bias and the routing weight of each pair.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FMT_DENSE = 0
+FMT_FP8_ROW = 1
+FMT_FP8_BLK = 2
+FMT_MXFP4 = 3
+
+ACT_SILU_GLU = 0
+ACT_SWIGLU_OAI = 1
+
+
+@triton.jit
+def _mxfp4_dequant(codes, scale, dtype: tl.constexpr):
+    """E2M1 codes (int32 in 0..15) and E8M0 scales -> values in `dtype`.
+
+    Placing the code's exponent and mantissa bits (e1 e0 m) at fp16 bits 11..9 gives an fp16
+    whose value is the E2M1 value times 2^-14, subnormals included; the sign goes to bit 15.
+    """
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    # 2^(s - 127) * 2^14 as an fp32 built from its exponent field (valid for scales <= 240)
+    mult = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    return (v * mult).to(dtype)
+
+
+@triton.jit
+def _weight_dot(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, x_rows, x_valid, stride_xt,
+                stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                FORMAT: tl.constexpr, MX_DOT_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+                BLOCK_K: tl.constexpr, X_FMT: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += W[e, n, k0:k0+BLOCK_K] @ X[x_rows, k0:k0+BLOCK_K]^T."""
+    x_dtype = x_ptr.dtype.element_ty
+    w_base = w_ptr + e.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn
+    if FORMAT == 3:
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        kb_mask = kb < K // 2
+        m2 = n_mask[:, None] & kb_mask[None, :]
+        packed = tl.load(w_base + kb[None, :], mask=m2, other=0)
+        s_base = s_ptr + e.to(tl.int64) * stride_se + n[:, None] * stride_sn
+        if MX_DOT_SCALED:
+            kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            scale = tl.load(s_base + kg[None, :] * stride_sk,
+                            mask=n_mask[:, None] & (kg < K // 32)[None, :], other=127)
+            kk = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x_ptr + x_rows[None, :] * stride_xt + kk[:, None],
+                         mask=x_valid[None, :] & (kk < K)[:, None], other=0.0)
+            acc += tl.dot_scaled(packed, scale, "e2m1", xt, None, X_FMT)
+        else:
+            # byte j holds elements 2j (low nibble) and 2j+1: split X into even and odd columns
+            # instead of interleaving the decoded weights
+            scale = tl.load(s_base + (kb // 16)[None, :] * stride_sk, mask=m2, other=127)
+            codes = packed.to(tl.int32)
+            lo = _mxfp4_dequant(codes & 15, scale, x_dtype)
+            hi = _mxfp4_dequant(codes >> 4, scale, x_dtype)
+            x_mask = x_valid[None, :] & kb_mask[:, None]
+            x_even = tl.load(x_ptr + x_rows[None, :] * stride_xt + 2 * kb[:, None], mask=x_mask, other=0.0)
+            x_odd = tl.load(x_ptr + x_rows[None, :] * stride_xt + 2 * kb[:, None] + 1, mask=x_mask, other=0.0)
+            acc += tl.dot(lo, x_even.to(x_dtype)) + tl.dot(hi, x_odd.to(x_dtype))
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = kk < K
+        w = tl.load(w_base + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        xt = tl.load(x_ptr + x_rows[None, :] * stride_xt + kk[:, None],
+                     mask=x_valid[None, :] & k_mask[:, None], other=0.0)
+        part = tl.dot(w.to(x_dtype), xt)
+        if FORMAT == 2:
+            # BLOCK_K divides SBK, so one K step lies inside one scale block
+            s = tl.load(s_ptr + e.to(tl.int64) * stride_se + (n // SBN) * stride_sn + (k0 // SBK) * stride_sk,
+                        mask=n_mask, other=0.0)
+            acc += part * s[:, None]
+        else:
+            acc += part
+    return acc
+
+
+@triton.jit
+def _row_scale(acc, s_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT: tl.constexpr):
+    if FORMAT == 1:
+        s = tl.load(s_ptr + e.to(tl.int64) * stride_se + n * stride_sn, mask=n_mask, other=0.0)
+        acc = acc * s[:, None]
+    return acc
+
+
+@triton.jit
+def moe_gate_up_kernel(
+        x_ptr, stride_xt,
+        wg_ptr, wu_ptr, stride_we, stride_wn,
+        sg_ptr, su_ptr, stride_se, stride_sn, stride_sk,
+        bg_ptr, bu_ptr, stride_be, stride_bn,
+        out_ptr, stride_ot,
+        sorted_ids_ptr, block_expert_ptr, num_pairs, N, K, top_k, alpha, limit,
+        FORMAT: tl.constexpr, MX_DOT_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+        X_FMT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[p, n] = act(gate_p[n], up_p[n]) with gate_p = Wg[e] @ x[p // top_k] (+ bias)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    tokens = tl.where(valid, pairs // top_k, 0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc_g = _weight_dot(acc_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x_ptr, tokens, valid, stride_xt,
+                            stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                            FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT)
+        acc_u = _weight_dot(acc_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x_ptr, tokens, valid, stride_xt,
+                            stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                            FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT)
+    acc_g = _row_scale(acc_g, sg_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
+    acc_u = _row_scale(acc_u, su_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
+    if HAS_BIAS:
+        b_off = e.to(tl.int64) * stride_be + n * stride_bn
+        acc_g += tl.load(bg_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        acc_u += tl.load(bu_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    if ACT == 0:
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+    else:
+        # gpt-oss clamped SwiGLU (models.md C.4): gate clamped from above only, `up + 1`
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = g * tl.sigmoid(alpha * g) * (u + 1.0)
+    out_ptrs = out_ptr + pairs[None, :].to(tl.int64) * stride_ot + n[:, None]
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[None, :] & n_mask[:, None])
+
+
+@triton.jit
+def moe_down_kernel(
+        a_ptr, stride_at,
+        w_ptr, stride_we, stride_wn,
+        s_ptr, stride_se, stride_sn, stride_sk,
+        b_ptr, stride_be,
+        pair_weights_ptr, out_ptr, stride_ot,
+        sorted_ids_ptr, block_expert_ptr, num_pairs, N, K,
+        FORMAT: tl.constexpr, MX_DOT_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+        X_FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[p, n] = w_p * (Wd[e] @ a[p] + bd[e])[n], float32, one row per (token, expert) pair."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    rows = tl.where(valid, pairs, 0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc = _weight_dot(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, a_ptr, rows, valid, stride_at,
+                          stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                          FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT)
+    acc = _row_scale(acc, s_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    gate = tl.load(pair_weights_ptr + rows, mask=valid, other=0.0)
+    acc = acc * gate[None, :]
+    out_ptrs = out_ptr + rows[None, :] * stride_ot + n[:, None]
+    tl.store(out_ptrs, acc, mask=valid[None, :] & n_mask[:, None])
+
+
+@triton.jit
+def moe_combine_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t, :] = sum_j y[t * TOP_K + j, :] (y float32 [T*k, H]) cast to out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = h < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + j) * H + h, mask=mask, other=0.0)
+    tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=mask)

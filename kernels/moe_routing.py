@@ -1,0 +1,122 @@
+"""MoE routing: router logits -> (topk_weights, topk_ids) for GLM-4.5V and gpt-oss.
+
+GLM (Glm4vMoeTextTopkRouter; reference/models.md A.4): scores = sigmoid(fp32 logits); the
+e_score_correction_bias is added for *selection* only; the weights are the unbiased scores of
+the chosen experts, renormalised to sum 1 (norm_topk_prob) and times routed_scaling_factor.
+gpt-oss (models.md C.4): top-k of the logits, softmax over the k chosen logits.
+
+One program per token, a loop of k arg-max passes over the (at most 256) experts: no host
+syncs, launch shape fixed by T, so it is safe inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SCORING_SIGMOID = 0
+SCORING_SOFTMAX_TOPK = 1
+
+
+@triton.jit
+def _route_kernel(logits_ptr, stride_lt, bias_ptr, weights_ptr, ids_ptr, E, scaling,
+                  TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    e_mask = e < E
+    logits = tl.load(logits_ptr + t * stride_lt + e, mask=e_mask, other=0.0).to(tl.float32)
+    if SCORING == 0:
+        scores = tl.sigmoid(logits)
+        choice = scores
+        if HAS_BIAS:
+            choice = scores + tl.load(bias_ptr + e, mask=e_mask, other=0.0).to(tl.float32)
+    else:
+        scores = logits
+        choice = logits
+    choice = tl.where(e_mask, choice, float("-inf"))
+
+    kk = tl.arange(0, K_PAD)
+    top_ids = tl.zeros((K_PAD,), dtype=tl.int32)
+    top_vals = tl.zeros((K_PAD,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=0)
+        # lowest index among equal maxima, so the choice is deterministic
+        idx = tl.min(tl.where(choice == best, e, E_PAD), axis=0)
+        val = tl.sum(tl.where(e == idx, scores, 0.0), axis=0)
+        top_ids = tl.where(kk == j, idx, top_ids)
+        top_vals = tl.where(kk == j, val, top_vals)
+        choice = tl.where(e == idx, float("-inf"), choice)
+
+    k_mask = kk < TOP_K
+    if SCORING == 0:
+        w = top_vals
+        if RENORMALIZE:
+            w = w / (tl.sum(tl.where(k_mask, w, 0.0), axis=0) + 1e-20)
+        w = w * scaling
+    else:
+        z = tl.where(k_mask, top_vals, float("-inf"))
+        p = tl.exp(z - tl.max(z, axis=0))
+        w = p / tl.sum(p, axis=0)
+    tl.store(weights_ptr + t * TOP_K + kk, w, mask=k_mask)
+    tl.store(ids_ptr + t * TOP_K + kk, top_ids, mask=k_mask)
+
+
+def _route(logits: torch.Tensor, top_k: int, scoring: int, bias: torch.Tensor | None,
+           renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if logits.dim() != 2:
+        raise ValueError(f"router logits must be [T, E], got {tuple(logits.shape)}")
+    t, e = logits.shape
+    if not 1 <= top_k <= e or e > 1024:
+        raise ValueError(f"top_k={top_k} must be in 1..E and E={e} at most 1024")
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
+    if t == 0:
+        return weights, ids
+    has_bias = bias is not None
+    _route_kernel[(t,)](
+        logits, logits.stride(0), bias if has_bias else logits, weights, ids, e, float(scaling),
+        TOP_K=top_k, E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
+        SCORING=scoring, HAS_BIAS=has_bias, RENORMALIZE=renormalize)
+    return weights, ids
+
+
+def route_glm(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
+              renormalize: bool = True, routed_scaling_factor: float = 1.0,
+              n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (fp32 from the router linear), correction_bias [E] fp32 or None.
+    Returns topk_weights [T, k] float32 and topk_ids [T, k] int32, best first."""
+    if n_group != 1 or topk_group != 1:
+        raise NotImplementedError(f"grouped top-k (n_group={n_group}) is not in the kernel; "
+                                  "GLM-4.5V uses n_group=1, see route_glm_ref for the grouped math")
+    return _route(logits, top_k, SCORING_SIGMOID, correction_bias, renormalize, routed_scaling_factor)
+
+
+def route_gpt_oss(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (router linear output, bias included). Returns topk_weights [T, k] float32
+    (softmax over the k chosen logits) and topk_ids [T, k] int32, best first."""
+    return _route(logits, top_k, SCORING_SOFTMAX_TOPK, None, True, 1.0)
+
+
+def route_glm_ref(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
+                  renormalize: bool = True, routed_scaling_factor: float = 1.0,
+                  n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = logits.to(torch.float32).sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.to(torch.float32)
+    if n_group > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, n_group, e // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1).indices, 1.0)
+        choice = choice.masked_fill(~keep.bool().repeat_interleave(e // n_group, dim=1), 0.0)
+    ids = choice.topk(top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * routed_scaling_factor, ids.to(torch.int32)
+
+
+def route_gpt_oss_ref(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    vals, ids = logits.to(torch.float32).topk(top_k, dim=-1)
+    return torch.softmax(vals, dim=-1), ids.to(torch.int32)

@@ -1,0 +1,76 @@
+"""Shared checks for the kernel tests."""
+import torch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# relative-error bounds per activation dtype (inputs rounded to it, float32 accumulation)
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN or inf anywhere in out gives inf."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def quantize_fp8_rows(w: torch.Tensor):
+    """w [..., N, K] float -> (e4m3 weight, float32 scale [..., N, 1])."""
+    scale = w.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448.0
+    return (w / scale).to(torch.float8_e4m3fn), scale.to(torch.float32)
+
+
+def quantize_fp8_blocks(w: torch.Tensor, bn: int = 128, bk: int = 128):
+    """w [..., N, K] -> (e4m3 weight, scale [..., ceil(N/bn), ceil(K/bk)]), edge blocks partial."""
+    *lead, n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(*lead, nb * bn, kb * bk, dtype=w.dtype, device=w.device)
+    padded[..., :n, :k] = w
+    blocks = padded.view(*lead, nb, bn, kb, bk)
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(1e-12) / 448.0  # [..., nb, kb]
+    expanded = scale.repeat_interleave(bn, -2).repeat_interleave(bk, -1)[..., :n, :k]
+    return (w / expanded).to(torch.float8_e4m3fn), scale.to(torch.float32)
+
+
+def random_mxfp4(*lead_n_k, device="cpu", scale_lo=118, scale_hi=123):
+    """Random MXFP4 stack: blocks uint8 [..., N, K/32, 16], scales uint8 [..., N, K/32]."""
+    *lead, n, k = lead_n_k
+    blocks = torch.randint(0, 256, (*lead, n, k // 32, 16), dtype=torch.uint8, device=device)
+    scales = torch.randint(scale_lo, scale_hi, (*lead, n, k // 32), dtype=torch.uint8, device=device)
+    return blocks, scales
+
+
+def cuda_time_us(fn, iters: int = 20, reps: int = 10) -> float:
+    """Median microseconds per call of fn, replayed from a CUDA graph holding `iters` calls
+    (graph replay removes the host launch gaps a decode step will not have either)."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(iters):
+                fn()
+    torch.cuda.synchronize()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / iters)
+    return sorted(times)[len(times) // 2]
+
+
+def paged_cache(lens, hkv, d, block_size, dtype, spare_blocks=3):
+    """Random caches whose blocks are handed out in a shuffled order, so a wrong table lookup
+    reads another sequence's keys."""
+    max_blocks = max(-(-n // block_size) for n in lens)
+    num_blocks = len(lens) * max_blocks + spare_blocks
+    k = torch.randn(num_blocks, block_size, hkv, d, device=DEV).to(dtype)
+    v = torch.randn(num_blocks, block_size, hkv, d, device=DEV).to(dtype)
+    tables = torch.randperm(num_blocks, device=DEV)[: len(lens) * max_blocks].view(len(lens), max_blocks)
+    return k, v, tables.to(torch.int32).contiguous(), torch.tensor(lens, dtype=torch.int32, device=DEV)
