@@ -9,6 +9,7 @@ and names exactly what is missing.
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -18,39 +19,20 @@ from typing import Callable
 
 from filelock import FileLock
 from huggingface_hub import HfApi, constants, hf_hub_url
-from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled,
-                                    RepositoryNotFoundError, RevisionNotFoundError)
+from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.hf_api import RepoFile
-from huggingface_hub.utils import build_hf_headers, get_token
+from huggingface_hub.utils import build_hf_headers
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from .hub_cache import CachedRepo, RemoteFile, free_disk_bytes, human_bytes
-from .hub_transfer import ChecksumMismatch, DownloadFailed, HubError, Transfer, _httpx, _hasher, fetch
-from .registry import ModelSource, known_names, resolve
+from .hub_errors import (AccessDenied, ChecksumMismatch, DownloadFailed, HubError, HubUnreachable, ModelNotFound,
+                         NotEnoughDisk, OfflineMissing, explain)
+from .hub_transfer import Transfer, fetch, hasher
+from .registry import ModelSource, resolve
 
 __all__ = ["ensure_local", "sync", "DownloadProgress", "SyncResult", "HubError", "ModelNotFound",
            "AccessDenied", "NotEnoughDisk", "OfflineMissing", "HubUnreachable", "ChecksumMismatch",
            "DownloadFailed", "is_offline", "cached_status"]
-
-
-class ModelNotFound(HubError):
-    pass
-
-
-class AccessDenied(HubError):
-    pass
-
-
-class NotEnoughDisk(HubError):
-    pass
-
-
-class OfflineMissing(HubError):
-    pass
-
-
-class HubUnreachable(HubError):
-    pass
 
 
 class _Cancelled(Exception):
@@ -59,7 +41,8 @@ class _Cancelled(Exception):
 
 @dataclass(frozen=True)
 class DownloadProgress:
-    """Sent after every chunk: bytes of `file` done/total, and of the whole pull."""
+    """Sent about every MiB of a file and when it completes: bytes of `file` done/total, and of the
+    whole pull (files already cached count as done)."""
 
     file: str
     done: int
@@ -106,11 +89,13 @@ def sync(model: str, *, offline: bool | None = None, token: str | bool | None = 
     cache = CachedRepo.of(src.repo_id)
     rev = revision or src.revision or "main"
     offline = is_offline(offline)
+    refresh = refresh and not offline
     sha = rev if _is_commit(rev) else cache.read_ref(rev)
     if sha and not refresh:
         tree = cache.read_tree(sha)
         if verify and tree is not None:
             _drop_corrupt(cache, sha, [f for f in tree if src.wants(f.path)])
+            verify = False  # done: what it dropped is now missing and fetched below
         missing = _missing(cache, sha, src, tree)
         if not missing:
             names = [f.path for f in tree if src.wants(f.path)] if tree else []
@@ -151,9 +136,9 @@ def sync(model: str, *, offline: bool | None = None, token: str | bool | None = 
                       reporter.fetched, sum(f.size for f in wanted), from_cache=not todo)
 
 
-def cached_status(model: str) -> tuple[CachedRepo, str | None, list[str]]:
-    """(cache entry, sha of main or None, missing file names) without touching the network."""
-    src = resolve(model)
+def cached_status(model: str | ModelSource) -> tuple[CachedRepo, str | None, list[str]]:
+    """(cache entry, sha of the revision or None, missing file names), without touching the network."""
+    src = model if isinstance(model, ModelSource) else resolve(model)
     if src.local_path is not None:
         raise HubError(f"{src.local_path} is a local directory, not a cached model")
     cache = CachedRepo.of(src.repo_id)
@@ -177,7 +162,6 @@ def _missing(cache: CachedRepo, sha: str, src: ModelSource, tree: list[RemoteFil
     (a cache written by an older huggingface_hub) the config and the shards its index names."""
     if tree is not None:
         return [f.path for f in tree if src.wants(f.path) and not cache.has(sha, f)]
-    import json
     snap = cache.snapshot(sha)
     missing = [] if (snap / "config.json").is_file() else ["config.json"]
     index = snap / "model.safetensors.index.json"
@@ -195,7 +179,7 @@ def _drop_corrupt(cache: CachedRepo, sha: str, files: list[RemoteFile]) -> list[
         path = cache.snapshot(sha) / f.path
         if not cache.has(sha, f):
             continue
-        h = _hasher(f)
+        h = hasher(f)
         with open(path, "rb") as fh:
             while chunk := fh.read(8 << 20):
                 h.update(chunk)
@@ -204,42 +188,6 @@ def _drop_corrupt(cache: CachedRepo, sha: str, files: list[RemoteFile]) -> list[
             cache.blob(f.etag).unlink(missing_ok=True)
             path.unlink(missing_ok=True)
     return bad
-
-
-def _token_in_use(token: str | bool | None) -> str | None:
-    if token is False:
-        return None
-    return token if isinstance(token, str) else get_token()
-
-
-def _explain(e: Exception, src: ModelSource, endpoint: str, token: str | bool | None) -> HubError:
-    """huggingface_hub / transport errors -> one message saying what to do."""
-    repo, page = src.repo_id, f"{endpoint}/{src.repo_id}"
-    logged_in = _token_in_use(token) is not None
-    login = "run `hf auth login` (or set HF_TOKEN) and try again"
-    if isinstance(e, GatedRepoError):
-        if logged_in:
-            return AccessDenied(f"{repo} is gated and your token has no access yet: open {page}, accept the "
-                                f"license there with the account of your token, then try again")
-        return AccessDenied(f"{repo} is gated: open {page}, sign in and accept the license, then {login}")
-    if isinstance(e, RevisionNotFoundError):
-        return ModelNotFound(f"{repo} has no revision {src.revision or 'main'!r}")
-    if isinstance(e, RepositoryNotFoundError):
-        private = "" if logged_in else f"; if it is private or gated, {login}"
-        return ModelNotFound(f"model repo {repo!r} was not found on {endpoint}{private}. "
-                             f"Known models: {known_names()}")
-    status = getattr(getattr(e, "response", None), "status_code", None)
-    if isinstance(e, HfHubHTTPError) and status in (401, 403):
-        return AccessDenied(f"the Hub refused access to {repo} (HTTP {status}): if it is gated, accept the "
-                            f"license at {page}; then {login}")
-    if isinstance(e, HfHubHTTPError):
-        return HubError(f"the Hub answered HTTP {status} for {repo}: {str(e).strip().splitlines()[0]}")
-    if isinstance(e, OfflineModeIsEnabled):
-        return OfflineMissing(f"offline mode is on (HF_HUB_OFFLINE) and {src.name} is not complete in the cache")
-    if isinstance(e, (_httpx.TransportError, OSError)):
-        return HubUnreachable(f"cannot reach {endpoint} ({type(e).__name__}: {e}); check the network, or run "
-                              f"offline from the cache (--offline) after a completed pull")
-    return HubError(f"{repo}: {e}")
 
 
 def _listing(src: ModelSource, rev: str, endpoint: str, token) -> tuple[str, list[RemoteFile]]:
@@ -252,7 +200,7 @@ def _listing(src: ModelSource, rev: str, endpoint: str, token) -> tuple[str, lis
     except HubError:
         raise
     except Exception as e:
-        raise _explain(e, src, endpoint, token) from None
+        raise explain(e, src, endpoint, token) from None
     return sha, tree
 
 
@@ -273,6 +221,15 @@ def _download_all(src, cache, sha, todo, endpoint, token, reporter, max_workers,
     cancel = threading.Event()
 
     def one(f: RemoteFile) -> None:
+        if cancel.is_set():
+            raise _Cancelled()
+        try:
+            one_file(f)
+        except BaseException:
+            cancel.set()  # one failure stops the rest: queued files do not start, running ones stop
+            raise
+
+    def one_file(f: RemoteFile) -> None:
         lock = cache.lock_file(f.etag)
         lock.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock)):
@@ -291,8 +248,9 @@ def _download_all(src, cache, sha, todo, endpoint, token, reporter, max_workers,
     try:
         futures = [pool.submit(one, f) for f in todo]
         wait(futures, return_when=FIRST_EXCEPTION)
-        if any(fu.done() and fu.exception() for fu in futures):
-            cancel.set()
+        if cancel.is_set():
+            for fu in futures:
+                fu.cancel()
         wait(futures)
     except BaseException:
         cancel.set()  # Ctrl-C: workers stop at their next chunk, partials stay for a resume
@@ -303,30 +261,37 @@ def _download_all(src, cache, sha, todo, endpoint, token, reporter, max_workers,
     errors = [e for e in errors if not isinstance(e, _Cancelled)]
     if errors:
         first = next((e for e in errors if isinstance(e, (HfHubHTTPError, ChecksumMismatch))), errors[0])
-        raise first if isinstance(first, HubError) else _explain(first, src, endpoint, token)
+        raise first if isinstance(first, HubError) else explain(first, src, endpoint, token)
 
 
 class _Reporter:
-    """One overall terminal bar plus one bar per active file, and the `on_progress` callback."""
+    """One overall terminal bar plus one bar per active file, and the `on_progress` callback
+    (at most one event per EVENT_BYTES of a file, and one when it completes)."""
+
+    EVENT_BYTES = 1 << 20
 
     def __init__(self, wanted, todo_paths, cache, on_progress, bar: bool, name: str):
         self._lock = threading.Lock()
-        self._sizes = {f.path: f.size for f in wanted}
-        self._done = {f.path: (f.size if f.path not in todo_paths else
-                               (cache.partial(f.etag).stat().st_size if cache.partial(f.etag).is_file() else 0))
-                      for f in wanted}
-        self._files_done = sum(1 for f in wanted if f.path not in todo_paths)
         self._callback = on_progress
         self._bar = bar and bool(todo_paths)
         self._bars: dict[str, object] = {}
+        self._done = {}
+        for f in wanted:
+            partial = cache.partial(f.etag)
+            self._done[f.path] = (partial.stat().st_size if partial.is_file() else 0) if f.path in todo_paths else f.size
+        self._pending = dict.fromkeys(self._done, 0)
+        self._total = sum(f.size for f in wanted)
+        self._overall_done = sum(self._done.values())
+        self._files_total = len(wanted)
+        self._files_done = self._files_total - len(todo_paths)
         self.fetched = 0
-        total = sum(self._sizes.values())
-        self._overall = hf_tqdm(total=total, initial=sum(self._done.values()), unit="B", unit_scale=True,
-                                unit_divisor=1024, desc=f"{name}", disable=None if self._bar else True)
+        self._overall = hf_tqdm(total=self._total, initial=self._overall_done, unit="B", unit_scale=True,
+                                unit_divisor=1024, desc=name, disable=None if self._bar else True)
 
     def add(self, f: RemoteFile, n: int) -> None:
         with self._lock:
             self._done[f.path] += n
+            self._overall_done += n
             self.fetched += n
             self._overall.update(n)
             if self._bar and f.path not in self._bars:
@@ -334,10 +299,12 @@ class _Reporter:
                                              unit_divisor=1024, desc=f"  {f.path}", leave=False, disable=None)
             if f.path in self._bars:
                 self._bars[f.path].update(n)
-            event = DownloadProgress(f.path, self._done[f.path], f.size, sum(self._done.values()),
-                                     sum(self._sizes.values()), self._files_done, len(self._sizes))
-        if self._callback:
-            self._callback(event)
+            self._pending[f.path] += n
+            if self._callback is None or self._pending[f.path] < self.EVENT_BYTES:
+                return
+            self._pending[f.path] = 0
+            event = self._event(f)
+        self._callback(event)
 
     def done(self, f: RemoteFile) -> None:
         with self._lock:
@@ -345,10 +312,13 @@ class _Reporter:
             bar = self._bars.pop(f.path, None)
             if bar is not None:
                 bar.close()
-            event = DownloadProgress(f.path, f.size, f.size, sum(self._done.values()), sum(self._sizes.values()),
-                                     self._files_done, len(self._sizes))
+            event = self._event(f)
         if self._callback:
             self._callback(event)
+
+    def _event(self, f: RemoteFile) -> DownloadProgress:
+        return DownloadProgress(f.path, self._done[f.path], f.size, self._overall_done, self._total,
+                                self._files_done, self._files_total)
 
     def close(self) -> None:
         for bar in self._bars.values():

@@ -17,28 +17,12 @@ from typing import Callable
 
 from huggingface_hub.utils import get_session, hf_raise_for_status
 
-try:  # huggingface_hub >= 2 ships its own httpx fork; 1.x uses httpx
-    import httpx2 as _httpx
-except ImportError:  # pragma: no cover
-    import httpx as _httpx
-
 from .hub_cache import RemoteFile
+from .hub_errors import ChecksumMismatch, DownloadFailed, httpx
 
 HASH_READ_BYTES = 8 << 20
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
 MAX_BACKOFF_S = 30.0
-
-
-class HubError(Exception):
-    """Any failure a user can act on; the message says what to do."""
-
-
-class ChecksumMismatch(HubError):
-    pass
-
-
-class DownloadFailed(HubError):
-    pass
 
 
 @dataclass
@@ -53,7 +37,7 @@ class Transfer:
     timeout_s: float = 60.0
 
 
-def _hasher(f: RemoteFile):
+def hasher(f: RemoteFile):
     if f.sha256:
         return hashlib.sha256()
     # git blob id: sha1 over "blob <size>\0" + content (git-scm.com/book, "Git Objects").
@@ -89,14 +73,14 @@ def fetch(t: Transfer, on_bytes: Callable[[int], None]) -> None:
     t.partial.parent.mkdir(parents=True, exist_ok=True)
     if t.partial.exists() and t.partial.stat().st_size > t.file.size:
         t.partial.unlink()  # not a prefix of this file
-    h = _hasher(t.file)
+    h = hasher(t.file)
     state = _Stream(_hash_prefix(t.partial, h) if t.partial.exists() else 0, h)
     failures = 0
     while state.offset < t.file.size:
         before = state.offset
         try:
             _stream_once(t, state, on_bytes)
-        except (_httpx.TransportError, _Retry) as e:
+        except (httpx.TransportError, _Retry) as e:
             # Count consecutive attempts that made no progress; a long flaky transfer keeps going.
             failures = 1 if state.offset > before else failures + 1
             if failures > t.retries:
@@ -119,7 +103,7 @@ def _stream_once(t: Transfer, state: _Stream, on_bytes) -> None:
     headers = {**t.headers, "Accept-Encoding": "identity"}
     if state.offset:
         headers["Range"] = f"bytes={state.offset}-"
-    timeout = _httpx.Timeout(t.timeout_s, connect=min(t.timeout_s, 20.0))
+    timeout = httpx.Timeout(t.timeout_s, connect=min(t.timeout_s, 20.0))
     with get_session().stream("GET", t.url, headers=headers, timeout=timeout, follow_redirects=True) as r:
         if r.status_code in RETRY_STATUS:
             raise _Retry(f"HTTP {r.status_code}")
@@ -129,7 +113,7 @@ def _stream_once(t: Transfer, state: _Stream, on_bytes) -> None:
         if state.offset and r.status_code != 206:  # the server ignored Range: start over
             t.partial.unlink(missing_ok=True)
             on_bytes(-state.offset)
-            state.offset, state.hasher = 0, _hasher(t.file)
+            state.offset, state.hasher = 0, hasher(t.file)
         with open(t.partial, "ab") as out:
             # Chunks as they arrive (no re-chunking): a cut loses only bytes that never reached us.
             for chunk in r.iter_bytes():

@@ -9,11 +9,11 @@ act on ("use 2 GPUs", "--max-context 32768", "--quantize fp8").
 """
 from __future__ import annotations
 
-import json
 import math
-import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from .weights.safetensors_files import scan_checkpoint
 
 GiB = 1 << 30
 TP_SIZES = (1, 2, 4, 8)
@@ -22,8 +22,6 @@ HEADROOM_FIXED = 4 * GiB
 HEADROOM_FRACTION = 0.05
 MIN_CONTEXT = 4096
 CONTEXT_STEP = 1024
-# Largest JSON header safetensors itself accepts (100 MB); anything bigger is not a safetensors file.
-MAX_HEADER_BYTES = 100_000_000
 _FLOAT_DTYPES = {"BF16": 2, "F16": 2, "F32": 4}
 _PLAIN_DTYPES = {"BF16", "F16", "F32", "F64", "I64", "I32", "I16", "BOOL"}
 
@@ -79,6 +77,8 @@ class KvLayout:
 
 @dataclass(frozen=True)
 class TensorInfo:
+    """What the planner needs of a tensor (weights.safetensors_files.TensorInfo has the same fields)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -135,52 +135,10 @@ def _is_fp8_candidate(t: TensorInfo) -> bool:
             and ".layers." in t.name and "visual" not in t.name)
 
 
-def read_safetensors_header(path: str | Path) -> list[TensorInfo]:
-    """Tensor table of one .safetensors file, reading only its header.
-
-    Layout (huggingface/safetensors README, "Format"): u64 little-endian N, then N bytes of JSON
-    {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}, then the data.
-    """
-    path = Path(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES:
-            raise ValueError(f"{path} is not a safetensors file (header length {n} is implausible)")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} has a corrupt safetensors header ({e}); download it again") from None
-    out = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        out.append(TensorInfo(name, info["dtype"], tuple(int(s) for s in info["shape"]), int(end) - int(begin)))
-    return out
-
-
-def checkpoint_shards(path: str | Path) -> list[Path]:
-    """The root .safetensors files of a checkpoint: those the index names, else all of them."""
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
-    return sorted(path.glob("*.safetensors"))
-
-
-def checkpoint_weight_bytes(path: str | Path) -> WeightBytes:
-    shards = checkpoint_shards(path)
-    if not shards:
-        raise FileNotFoundError(f"{path} holds no .safetensors files")
-    missing = [s.name for s in shards if not s.is_file()]
-    if missing:
-        raise FileNotFoundError(f"{path} is missing {len(missing)} shard(s) named in its index: {', '.join(missing[:5])}")
-    return WeightBytes.from_tensors(t for s in shards for t in read_safetensors_header(s))
+def checkpoint_weight_bytes(path: str | Path, model_id: str | None = None) -> WeightBytes:
+    """From the safetensors headers of a checkpoint directory (the data is not read). Raises
+    CheckpointError (a ValueError naming the file) for a missing shard or a corrupt header."""
+    return WeightBytes.from_tensors(scan_checkpoint(path, model_id).tensors.values())
 
 
 @dataclass(frozen=True)
@@ -194,10 +152,6 @@ class TpOption:
     usable_bytes_per_gpu: int
     kv_tokens: int
     max_context: int
-
-    @property
-    def weights_fit(self) -> bool:
-        return self.kv_tokens > 0
 
 
 @dataclass
@@ -227,7 +181,7 @@ class Plan:
         gpus = "1 GPU" if c.tp == 1 else f"{c.tp} GPUs"
         text = (f"fits on {gpus}: {gib(c.weight_bytes_per_gpu)} weights per GPU, context {c.max_context}"
                 f" ({c.kv_bytes_per_token_per_gpu // 1024} KiB KV per token per GPU)")
-        return "; ".join([text] + self.advice)
+        return "; ".join([text] + [a for a in self.advice if a != f"use {c.tp} GPUs"])
 
 
 def gib(n: int) -> str:
@@ -240,7 +194,7 @@ def _option(weights: WeightBytes, layout: KvLayout, gpus: list[GpuInfo], tp: int
     per_token = layout.bytes_per_token(tp)
     usable = min(g.usable_bytes for g in chosen)
     budget = usable - per_gpu - layout.sliding_bytes(tp)
-    tokens = max(0, budget // per_token) if budget > 0 else 0
+    tokens = budget // max(1, per_token) if budget > 0 else 0
     context = layout.max_context if tokens >= layout.max_context else (tokens // CONTEXT_STEP) * CONTEXT_STEP
     return TpOption(tp, tuple(g.index for g in chosen), per_gpu, per_token, usable, int(tokens), int(context))
 
@@ -278,6 +232,10 @@ def _advice(p: Plan, gpus: list[GpuInfo], min_context: int, alternative: str | N
         advice = [f"use {p.chosen.tp} GPUs"] if p.chosen.tp > 1 else []
         if p.verdict == "fits_reduced":
             advice.append(f"--max-context {p.chosen.max_context}")
+        if p.chosen.tp > 1 and p.weights.fp8_numel and p.quantize is None:
+            fp8 = plan(p.layout, p.weights, gpus, quantize="fp8", max_context=p.want_context, min_context=min_context)
+            if fp8.chosen is not None and fp8.chosen.tp < p.chosen.tp:
+                advice.append(f"or --quantize fp8 on {fp8.chosen.tp} GPU" + ("s" if fp8.chosen.tp > 1 else ""))
         return advice
     if p.weights.fp8_numel and p.quantize is None:
         fp8 = plan(p.layout, p.weights, gpus, quantize="fp8", max_context=p.want_context, min_context=min_context)

@@ -129,6 +129,15 @@ def entry_for_repo(repo_id: str) -> RegistryEntry | None:
     return None
 
 
+def hub_source(repo_id: str, revision: str | None = None) -> ModelSource:
+    """The source for a repo id, with the registry's name and patterns when it is a known model."""
+    entry = entry_for_repo(repo_id)
+    if entry is None:
+        return ModelSource("hub", repo_id, repo_id, revision=revision)
+    return ModelSource("registry", entry.name, entry.repo_id, revision=revision, entry=entry,
+                       allow_patterns=entry.allow_patterns, ignore_patterns=entry.ignore_patterns)
+
+
 def resolve(model: str) -> ModelSource:
     """A registry name ("gpt-oss-20b"), a Hub repo id ("org/name", optionally "org/name@revision"),
     or a local checkpoint directory. An existing directory wins over a repo id of the same spelling."""
@@ -137,8 +146,7 @@ def resolve(model: str) -> ModelSource:
         raise UnknownModel(f"no model given; known models: {known_names()}")
     entry = REGISTRY.get(text.lower())
     if entry is not None:
-        return ModelSource("registry", entry.name, entry.repo_id, entry=entry,
-                           allow_patterns=entry.allow_patterns, ignore_patterns=entry.ignore_patterns)
+        return hub_source(entry.repo_id)
     path = Path(text).expanduser()
     looks_like_path = text.startswith((".", "/", "~")) or text.count("/") > 1 or "\\" in text
     if path.is_dir():
@@ -147,10 +155,7 @@ def resolve(model: str) -> ModelSource:
         raise UnknownModel(f"{text} is not a directory (a local model is a folder holding config.json and *.safetensors)")
     repo, _, revision = text.partition("@")
     if _REPO_ID.match(repo):
-        entry = entry_for_repo(repo)
-        name = entry.name if entry else repo
-        return ModelSource("hub" if entry is None else "registry", name, entry.repo_id if entry else repo,
-                           revision=revision or None, entry=entry)
+        return hub_source(repo, revision or None)
     close = difflib.get_close_matches(text.lower(), list(REGISTRY), n=1)
     hint = f"did you mean {close[0]}? " if close else ""
     raise UnknownModel(f"unknown model {text!r}: {hint}known models: {known_names()}; "
