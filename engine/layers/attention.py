@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.attention_decode import paged_decode_attention
+from ...kernels.attention_prefill import paged_prefill_attention
 from ..spec import ModelSpec
 from .linear import linear
 from .rotary import apply_rotary
@@ -44,6 +46,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q [T, Hq, D] packed over the batch's sequences; k_cache, v_cache [blocks, block_size,
     Hkv, D]. Each sequence's new tokens are the last ones of its context. Returns [T, Hq, D]."""
+    if q.is_cuda:
+        tables, lens32 = batch.block_tables.to(torch.int32), batch.context_lens.to(torch.int32)
+        if batch.is_decode:
+            return paged_decode_attention(q, k_cache, v_cache, tables, lens32, scale, sinks, window)
+        starts = batch.query_start_host
+        longest = max(b - a for a, b in zip(starts, starts[1:]))
+        return paged_prefill_attention(q, k_cache, v_cache, tables, lens32, batch.query_start.to(torch.int32),
+                                       longest, scale, sinks, window)
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     qs, lens = batch.query_start_host, batch.context_lens_host

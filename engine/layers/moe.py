@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...kernels.moe import MoeExperts, fused_moe, gpt_oss_experts
+from ...kernels.moe_routing import route_glm, route_gpt_oss
 from ..spec import ModelSpec, MoeSpec
 from ..weights.formats import LinearWeight
 from .mlp import GatedMLP
@@ -81,12 +83,33 @@ class MoeBlock:
             self.router_weight = weights[f"{prefix}.router.weight"]
             self.router_bias = weights[f"{prefix}.router.bias"]
         self.shared = GatedMLP(weights, f"{prefix}.shared_experts") if self.moe.num_shared_experts else None
+        self.fused = None
+        if self.router_weight.is_cuda:
+            m = self.moe
+            self.fused = (gpt_oss_experts(self.gate_up, self.gate_up_bias, self.down, self.down_bias,
+                                          m.swiglu_alpha, m.swiglu_limit)
+                          if m.activation == "swiglu_clamped" else MoeExperts(self.gate, self.up, self.down))
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        """CUDA: router logits in torch, then the routing and fused-expert kernels."""
+        m = self.moe
+        if m.router == "sigmoid_bias":
+            logits = F.linear(x.to(torch.float32), self.router_weight.to(torch.float32))
+            weights, ids = route_glm(logits, self.router_bias, m.top_k, m.norm_topk_prob, m.routed_scaling_factor,
+                                     m.n_group, m.topk_group)
+        else:
+            logits = F.linear(x, self.router_weight.to(x.dtype), self.router_bias.to(x.dtype))
+            weights, ids = route_gpt_oss(logits, m.top_k)
+        return fused_moe(x, self.fused, weights, ids)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        route = route_sigmoid_bias if self.moe.router == "sigmoid_bias" else route_softmax_topk
-        weights, ids = route(x, self.router_weight, self.router_bias, self.moe)
-        out = experts_forward(x, weights, ids, self.moe, self.gate_up, self.gate, self.up, self.down,
-                              self.gate_up_bias, self.down_bias)
+        if self.fused is not None:
+            out = self._fused(x)
+        else:
+            route = route_sigmoid_bias if self.moe.router == "sigmoid_bias" else route_softmax_topk
+            weights, ids = route(x, self.router_weight, self.router_bias, self.moe)
+            out = experts_forward(x, weights, ids, self.moe, self.gate_up, self.gate, self.up, self.down,
+                                  self.gate_up_bias, self.down_bias)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
