@@ -19,7 +19,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="localchat", description="Local vision chat with GLM-4.5V and gpt-oss.")
+    parser = argparse.ArgumentParser(
+        prog="localchat", description="Local vision chat with GLM-4.5V and gpt-oss. With no command: serve the chat page.")
+    parser.add_argument("--model", default=None,
+                        help="registry name, Hub repo id or checkpoint directory (default: the best model that fits)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--auth", default=None, metavar="USER:PASSWORD", help="required to listen beyond localhost")
+    parser.add_argument("--api-key", default=None, help="bearer key for /v1; required to listen beyond localhost")
+    parser.add_argument("--no-browser", action="store_true", help="do not open the page in a browser")
+    parser.add_argument("--offline", action="store_true", help="use the local model cache only")
+    _add_engine_args(parser)
+    parser.set_defaults(func=cmd_serve, json=False)
     sub = parser.add_subparsers(dest="command")
 
     run = sub.add_parser("run", help="answer one question and exit",
@@ -149,14 +160,40 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _default_model() -> str:
+    """The planner's pick for the local GPUs: GLM-4.5V-FP8 where it fits, else the best that fits."""
+    from ..engine.planner import local_gpus
+    from ..engine.registry import REGISTRY
+
+    gpus = local_gpus()
+    if not gpus:
+        raise UserError("no CUDA GPU is visible, and the supported models need one; pass --model DIR with "
+                        "--device cpu for a small local checkpoint, or check the NVIDIA driver (`localchat doctor`)")
+    for name in ("glm-4.5v-fp8", "gpt-oss-120b", "gpt-oss-20b"):
+        if REGISTRY[name].plan(gpus).chosen is not None:
+            return name
+    raise UserError("none of the supported models fits the free memory of this machine's GPUs; "
+                    "`localchat doctor` shows what each needs")
+
+
+def cmd_serve(args) -> int:
+    from .ui import serve
+
+    if args.model is None:
+        args.model = _default_model()
+        print(f"localchat: using {args.model} (pass --model to choose)", file=sys.stderr)
+    model_dir = _model_dir(args)
+    engine = _load_engine(args, model_dir)
+    auth = tuple(args.auth.split(":", 1)) if args.auth else None
+    serve(engine, host=args.host, port=args.port, auth=auth, api_key=args.api_key, open_browser=not args.no_browser)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..engine.hub_errors import HubError
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
     try:
         return args.func(args)
     except UserError as e:
