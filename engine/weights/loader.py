@@ -1,0 +1,178 @@
+"""Streaming a checkpoint into the engine's weight dict, one shard at a time.
+
+All headers are validated first (plan.py); then each file is opened once, its tensors read in
+file order and moved to `device` as they arrive, so host memory holds about one tensor beyond
+what the output itself keeps. GLM experts are copied into a preallocated [E, ...] stack, never
+concatenated on the host.
+"""
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..spec import ModelSpec, UnsupportedModel
+from .errors import CheckpointError, redownload_hint
+from .formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight
+from .plan import LoadPlan, PlannedOutput, plan_load
+from .quant_config import UnsupportedQuantization
+from .safetensors_files import scan_checkpoint
+from .schema import LinearModule, Mxfp4Experts, PlainTensor, TransposedExperts
+
+Weights = dict[str, "torch.Tensor | LinearWeight"]
+ProgressFn = Callable[[int, int, Path], None]
+
+
+def read_spec(path: str | Path, model_id: str | None = None) -> ModelSpec:
+    """ModelSpec.from_dir, with config problems raised as CheckpointError naming config.json."""
+    cfg = Path(path) / "config.json"
+    try:
+        return ModelSpec.from_dir(path)
+    except UnsupportedQuantization as e:
+        raise CheckpointError(f"{cfg}: {e}. This quantization cannot be loaded; pick a bf16, FP8 or MXFP4 "
+                              "version of the model.", file=cfg) from e
+    except UnsupportedModel as e:
+        raise CheckpointError(f"{cfg}: {e}", file=cfg) from e
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{e}. {redownload_hint(model_id)}", file=cfg) from e
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{cfg} is damaged or incomplete ({type(e).__name__}: {e}). "
+                              f"{redownload_hint(model_id)}", file=cfg) from e
+
+
+def check_checkpoint(path: str | Path, spec: ModelSpec, *, model_id: str | None = None, strict: bool = True) -> LoadPlan:
+    """Validate a checkpoint from its headers alone (no tensor data read)."""
+    return plan_load(scan_checkpoint(path, model_id), spec, model_id=model_id, strict=strict)
+
+
+def load_weights(path: str | Path, spec: ModelSpec, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None, on_progress: ProgressFn | None = None,
+                 model_id: str | None = None, strict: bool = True) -> Weights:
+    """Read every weight of the checkpoint at `path`, converted to the engine's naming (schema.py).
+
+    dtype: floating tensors and DenseWeight records are cast to it (None keeps the file dtype);
+    FP8 and MXFP4 payloads keep theirs, FP8 scales and GLM's e_score_correction_bias are float32.
+    on_progress(done_bytes, total_bytes, file) is called after each tensor read.
+    model_id names the repo in error messages (`localchat pull <model_id>`).
+    Raises CheckpointError, before reading data, for any missing/corrupt/mismatched file or tensor.
+    """
+    plan = check_checkpoint(path, spec, model_id=model_id, strict=strict)
+    device = torch.device(device)
+    builders = [_builder(o, plan, device, dtype) for o in plan.outputs]
+    route = {p.info.name: (b, p) for b, o in zip(builders, plan.outputs) for p in o.parts}
+    by_file: dict[Path, list] = {}
+    for _, part in route.values():
+        by_file.setdefault(part.info.file, []).append(part)
+    total, done = plan.total_bytes, 0
+    for file in plan.files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for part in sorted(by_file[file], key=lambda p: p.info.begin):
+                    builder, _ = route[part.info.name]
+                    builder.put(part, f.get_tensor(part.info.name))
+                    done += part.info.nbytes
+                    if on_progress is not None:
+                        on_progress(done, total, file)
+        except SafetensorError as e:
+            raise CheckpointError(f"{file} cannot be read ({e}). {redownload_hint(model_id)}", file=file) from e
+    out: Weights = {}
+    for b in builders:
+        out.update(b.finish())
+    return out
+
+
+def weight_bytes(weights: Weights) -> int:
+    """Bytes the loaded weights occupy (payloads and scales)."""
+    total = 0
+    for v in weights.values():
+        tensors = [v] if isinstance(v, torch.Tensor) else [getattr(v, f) for f in v.__dataclass_fields__]
+        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return total
+
+
+def _cast(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is not None and t.is_floating_point() and t.dtype.itemsize > 1:
+        return t.to(device=device, dtype=dtype)
+    return t.to(device=device)
+
+
+def _normalise_scale(s: torch.Tensor, strategy: str | None) -> torch.Tensor:
+    """channel [N] -> [N, 1]; tensor [] / [1] -> [1, 1]; block stays [N/bn, K/bk]."""
+    s = s.to(torch.float32)
+    if strategy == "tensor":
+        return s.reshape(1, 1)
+    if strategy == "channel":
+        return s.reshape(-1, 1)
+    return s
+
+
+class _Builder(ABC):
+    """Collects the parts of one output as they are read and makes the output record."""
+
+    def __init__(self, planned: PlannedOutput, plan: LoadPlan, device: torch.device, dtype: torch.dtype | None):
+        self.entry, self.fp8, self.device, self.dtype = planned.entry, planned.fp8, device, dtype
+        self.strategy, self.block = plan.scale_shape, plan.block_size
+        self.parts: dict[str, torch.Tensor] = {}
+
+    def put(self, part, t: torch.Tensor) -> None:
+        self.parts[part.role] = _cast(t, self.device, self.dtype)
+
+    @abstractmethod
+    def finish(self) -> dict:
+        """{output name: tensor or LinearWeight}, once every part has been put."""
+
+
+class _Plain(_Builder):
+    def put(self, part, t):
+        if self.entry.keep_fp32:
+            self.parts["tensor"] = t.to(device=self.device, dtype=torch.float32)
+        else:
+            super().put(part, t)
+
+    def finish(self):
+        return {self.entry.out: self.parts["tensor"]}
+
+
+class _Linear(_Builder):
+    """A plain linear or (stacked) GLM experts; experts are copied into their [E] slot on arrival."""
+
+    def put(self, part, t):
+        if part.role == "scale":
+            t = _normalise_scale(t, self.strategy).to(self.device)
+        else:
+            t = _cast(t, self.device, self.dtype)
+        if not self.entry.stacked:
+            self.parts[part.role] = t
+            return
+        buf = self.parts.get(part.role)
+        if buf is None:
+            buf = self.parts[part.role] = torch.empty((len(self.entry.sources), *t.shape), dtype=t.dtype, device=self.device)
+        buf[part.expert].copy_(t)
+
+    def finish(self):
+        w = self.parts["weight"]
+        if not self.fp8:
+            return {self.entry.out: DenseWeight(w)}
+        return {self.entry.out: Fp8Weight(w, self.parts["scale"], self.block)}
+
+
+class _Mxfp4(_Builder):
+    def finish(self):
+        return {self.entry.out: Mxfp4Weight(self.parts["blocks"], self.parts["scales"])}
+
+
+class _Transposed(_Builder):
+    def put(self, part, t):
+        super().put(part, t.transpose(-1, -2).contiguous())
+
+    def finish(self):
+        return {self.entry.out: DenseWeight(self.parts["tensor"])}
+
+
+def _builder(o: PlannedOutput, plan: LoadPlan, device, dtype) -> _Builder:
+    kind = {PlainTensor: _Plain, LinearModule: _Linear, Mxfp4Experts: _Mxfp4, TransposedExperts: _Transposed}
+    return kind[type(o.entry)](o, plan, device, dtype)

@@ -1,0 +1,65 @@
+"""`localchat run` through the installed console script, on the tiny checkpoints."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures import open_fixture
+from test_parity import engine, image, oracle_greedy, request
+
+SCRIPT = shutil.which("localchat", path=str(Path(sys.executable).parent)) or shutil.which("localchat")
+
+
+def run_cli(*args, timeout=120):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    return subprocess.run([SCRIPT, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("name", ["glm-bf16", "glm-fp8-block", "gpt-oss-mxfp4", "gpt-oss-bf16"])
+def test_run_json_reproduces_transformers_greedy_tokens(name, tmp_path):
+    ckpt = open_fixture(name)
+    args = ["run", ckpt, "--prompt", "Describe the picture.", "--temperature", "0", "--max-tokens", "12", "--json"]
+    images = []
+    if name.startswith("glm"):
+        img = image(3)
+        path = tmp_path / "a.png"
+        img.image.save(path)
+        images = [img]
+        args += ["--image", path]
+    out = run_cli(*args)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    side = engine(name)
+    prompt = side.formatter.build(request("Describe the picture.", images))
+    assert result["prompt_token_ids"] == prompt.input_ids
+    _, ref = oracle_greedy(name, prompt, 12)
+    eos = set(side.spec.eos_token_ids)
+    expected = ref[: next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))]
+    assert result["token_ids"] == expected
+    assert result["finish_reason"] == ("stop" if expected[-1] in eos else "length")
+    assert set(result["timings"]) >= {"prefill_s", "ttft_s", "decode_tokens_per_s"}
+
+
+def test_run_streams_plain_text():
+    out = run_cli("run", open_fixture("gpt-oss-bf16"), "--prompt", "hi", "--temperature", "0", "--max-tokens", "5")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.endswith("\n")
+
+
+def test_run_errors_are_one_line(tmp_path):
+    missing = run_cli("run", tmp_path / "nope", "--prompt", "hi")
+    assert missing.returncode != 0 and "nope" in missing.stderr and "Traceback" not in missing.stderr
+    not_image = tmp_path / "x.png"
+    not_image.write_text("not an image")
+    bad = run_cli("run", open_fixture("glm-bf16"), "--prompt", "hi", "--image", not_image)
+    assert bad.returncode != 0 and "not an image" in bad.stderr and "Traceback" not in bad.stderr
+    incomplete = tmp_path / "ckpt"
+    shutil.copytree(open_fixture("gpt-oss-mxfp4"), incomplete)
+    (incomplete / "model-00001-of-00002.safetensors").unlink()
+    broken = run_cli("run", incomplete, "--prompt", "hi")
+    assert broken.returncode != 0 and "model-00001-of-00002.safetensors" in broken.stderr
+    assert "Traceback" not in broken.stderr
