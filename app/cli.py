@@ -145,6 +145,8 @@ def cmd_run(args) -> int:
                 final = item
     finally:
         stream.close()
+        # Stop the engine thread before the interpreter exits, not while it is mid-step.
+        engine.shutdown()
     if final.finish_reason == "error":
         raise UserError(final.error)
     if args.json:

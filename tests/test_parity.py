@@ -177,3 +177,11 @@ def test_glm_thinking_switch_reaches_the_template():
     on = side.formatter.render(ChatRequest((Message.text("user", "hi"),), thinking=True))
     off = side.formatter.render(ChatRequest((Message.text("user", "hi"),), thinking=False))
     assert "/nothink" in off and "<think></think>" in off and "/nothink" not in on
+
+
+def test_text_that_spells_a_special_token_stays_text():
+    side = engine("glm-bf16")
+    prompt = side.formatter.build(request("what does <|image|> or <think> mean?", [image(0)]))
+    assert prompt.input_ids.count(side.spec.image_tokens.image) == int(prompt.image_grid_thw.prod()) // 4
+    think = side.formatter.tokenizer.convert_tokens_to_ids("<think>")
+    assert think not in prompt.input_ids

@@ -1,11 +1,15 @@
 """Engine: the one public entry for app/ (UI, API, CLI). Loads a checkpoint and serves chat
 requests as streams of Deltas ending in one Final.
 
-Requests run one at a time on a worker thread, in order of arrival; closing a stream aborts its
-request before the next token.
+`submit` may be called from any thread. The prompt is built in the caller's thread; one engine
+thread then runs the scheduler: continuous batching of all running requests over a paged KV
+cache with prefix reuse (see scheduler.py). Closing a stream aborts its request; its blocks go
+back to the pool before the next step.
 """
 from __future__ import annotations
 
+import itertools
+import logging
 import queue
 import threading
 import time
@@ -13,14 +17,20 @@ from pathlib import Path
 
 import torch
 
-from ..models import build_model
 from ..spec import ModelSpec
-from ..weights.loader import load_weights
-from .generate import StepTimes, generate
+from .block_pool import BlockPool
+from .kv_budget import plan_num_blocks
+from .kv_cache import PagedKVCache
+from .prefix_cache import image_spans
 from .prompt import ChatFormatter
-from .request import ChatRequest, Delta, Final, ModelInfo, StreamItem, Timings
+from .request import ChatRequest, Final, ModelInfo, Timings
 from .sampling import Sampler
+from .scheduler import Scheduler
+from .sequence import EngineStream, Sequence, Status
+from .step_runner import StepRunner
 from .textstream import TextAssembler
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -38,97 +48,212 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
 
 
-class _Stream:
-    def __init__(self, request: ChatRequest):
-        self.request = request
-        self.items: queue.Queue = queue.Queue()
-        self.aborted = threading.Event()
-        self.done = False
-
-    def __iter__(self):
-        while not self.done:
-            item = self.items.get()
-            if isinstance(item, Final):
-                self.done = True
-            yield item
-
-    def close(self) -> None:
-        self.aborted.set()
-
-
 class Engine:
+    """Serving options (keyword-only): block_size tokens per KV block; num_blocks or max_kv_tokens
+    size the KV pool (default: the GPU memory left after the weights, or 16k tokens on CPU);
+    max_batch_tokens is the per-step token budget (prefill chunk size); max_running caps the
+    sequences decoded together."""
+
     def __init__(self, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto",
-                 max_context: int | None = None, on_progress=None, name: str | None = None):
-        self.path = Path(model_dir)
-        self.name = name or self.path.name
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.spec = ModelSpec.from_dir(self.path)
-        self.max_context = min(max_context or self.spec.max_position_embeddings, self.spec.max_position_embeddings)
-        self.formatter = ChatFormatter(self.path, self.spec)
-        weights = load_weights(self.path, self.spec, device=self.device, dtype=self.dtype, on_progress=on_progress)
-        self.weights_bytes = sum(_nbytes(w) for w in weights.values())
-        self.model = build_model(self.spec, weights, self.device)
-        self._jobs: queue.Queue = queue.Queue()
+                 max_context: int | None = None, on_progress=None, name: str | None = None, **serving):
+        from ..models import build_model
+        from ..weights.loader import load_weights
+
+        path = Path(model_dir)
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        spec = ModelSpec.from_dir(path)
+        formatter = ChatFormatter(path, spec)
+        weights = load_weights(path, spec, device=dev, dtype=dt, on_progress=on_progress)
+        self.path = path
+        self._setup(spec, build_model(spec, weights, dev), formatter, dev, dt, name or path.name,
+                    max_context, sum(_nbytes(w) for w in weights.values()), **serving)
+
+    @classmethod
+    def from_model(cls, spec: ModelSpec, model, formatter, *, device: str = "cpu", dtype: str = "auto",
+                   max_context: int | None = None, name: str = "model", weights_bytes: int = 0,
+                   **serving) -> "Engine":
+        """An engine over an already built model (tests, benchmarks); `formatter` is a ChatFormatter."""
+        self = cls.__new__(cls)
+        self.path = None
+        dev = resolve_device(device)
+        self._setup(spec, model, formatter, dev, resolve_dtype(dtype, dev), name, max_context, weights_bytes,
+                    **serving)
+        return self
+
+    def _setup(self, spec, model, formatter, device, dtype, name, max_context, weights_bytes, *,
+               block_size: int = 16, num_blocks: int | None = None, max_kv_tokens: int | None = None,
+               max_batch_tokens: int | None = None, max_running: int = 64,
+               kv_headroom_bytes: int | None = None) -> None:
+        self.spec, self.model, self.formatter = spec, model, formatter
+        self.device, self.dtype, self.name = device, dtype, name
+        self.weights_bytes = weights_bytes
+        self.max_context = min(max_context or spec.max_position_embeddings, spec.max_position_embeddings)
+        self.block_size = block_size
+        self.max_batch_tokens = max_batch_tokens or (2048 if device.type == "cuda" else 512)
+        n = plan_num_blocks(spec, dtype, device, block_size, max_context=self.max_context,
+                            max_batch_tokens=self.max_batch_tokens, max_running=max_running,
+                            num_blocks=num_blocks, max_kv_tokens=max_kv_tokens, headroom_bytes=kv_headroom_bytes)
+        self.cache = PagedKVCache(spec.num_layers, n, block_size, spec.num_kv_heads, spec.head_dim, dtype, device)
+        self.pool = BlockPool(n)
+        self.scheduler = Scheduler(self.pool, block_size, self.max_batch_tokens, max_running)
+        self.runner = StepRunner(model, self.cache, device, dtype)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", n, block_size,
+                 self.cache.k.numel() * self.cache.k.element_size() * 2 / 2**30)
+        self._ids = itertools.count()
+        self._format_lock = threading.Lock()
+        self._inbox: queue.Queue[Sequence | None] = queue.Queue()
+        self._stopped = False
         self._worker = threading.Thread(target=self._run, name="localchat-engine", daemon=True)
         self._worker.start()
 
+    # ---- public API -------------------------------------------------------------------------
+
+    @property
+    def context_limit(self) -> int:
+        """The most tokens one conversation may hold: the model's context or the whole KV pool."""
+        return min(self.max_context, self.pool.num_blocks * self.block_size)
+
     def info(self) -> ModelInfo:
         return ModelInfo(
-            name=self.name, family=self.spec.family, context_length=self.max_context,
+            name=self.name, family=self.spec.family, context_length=self.context_limit,
             supports_images=self.spec.vision is not None,
             reasoning="thinking" if self.spec.family == "glm4v_moe" else "effort",
             placement=str(self.device), weights_bytes=self.weights_bytes)
 
-    def submit(self, request: ChatRequest) -> _Stream:
-        stream = _Stream(request)
-        self._jobs.put(stream)
+    def submit(self, request: ChatRequest) -> EngineStream:
+        """Queues a request; returns its stream at once. Refusals arrive as a Final("error")."""
+        stream = EngineStream(request)
+        if self._stopped:
+            stream.items.put(Final("error", 0, 0, Timings(), error="the engine has been shut down"))
+            return stream
+        try:
+            seq = self._sequence(stream)
+        except RequestTooLong as e:
+            stream.items.put(Final("error", len(e.prompt_ids), 0, Timings(), tuple(e.prompt_ids), error=str(e)))
+            return stream
+        except Exception as e:  # a bad request must reach its own stream, not the caller's thread
+            stream.items.put(Final("error", 0, 0, Timings(), error=f"{type(e).__name__}: {e}"))
+            return stream
+        self._inbox.put(seq)
         return stream
 
-    def _run(self) -> None:
-        while True:
-            stream = self._jobs.get()
-            try:
-                self._serve(stream)
-            except Exception as e:  # a failed request must not take the engine down with it
-                stream.items.put(Final("error", 0, 0, Timings(), error=f"{type(e).__name__}: {e}"))
+    def counters(self) -> dict[str, int]:
+        """Running totals for tests and benchmarks."""
+        c = self.runner.counters
+        return {"steps": c.steps, "computed_tokens": c.computed_tokens, "images_encoded": c.images_encoded,
+                "images_skipped": c.images_skipped, "preemptions": self.scheduler.preemptions,
+                "prefix_hit_tokens": self.scheduler.prefix_hit_tokens, "evictions": self.pool.evictions,
+                "free_blocks": self.pool.num_free, "num_blocks": self.pool.num_blocks}
 
-    def _serve(self, stream: _Stream) -> None:
-        request, out = stream.request, stream.items
-        if stream.aborted.is_set():
-            out.put(Final("abort", 0, 0, Timings()))
-            return
-        prompt = self.formatter.build(request)
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the engine thread; requests still in flight end with Final("abort")."""
+        self._stopped = True
+        self._inbox.put(None)
+        self._worker.join(timeout)
+
+    # ---- request intake ---------------------------------------------------------------------
+
+    def _sequence(self, stream: EngineStream) -> Sequence:
+        request = stream.request
         sp = request.sampling
-        sampler = Sampler(sp, self.device)
-        text = TextAssembler(self.formatter.tokenizer, self.spec.family, request.thinking, sp.stop)
-        times = StepTimes()
-        generated: list[int] = []
-        finish = "length"
-        for token in generate(self.model, prompt, sampler, self.spec.eos_token_ids, sp.max_tokens,
-                              self.device, self.dtype, times, self.max_context):
-            if stream.aborted.is_set():
-                finish = "abort"
-                break
-            generated.append(token)
-            if token in self.spec.eos_token_ids:
-                finish = "stop"
-                break
-            answer, reasoning = text.push(token)
-            if answer or reasoning:
-                out.put(Delta(answer, reasoning, (token,)))
+        if sp.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1 (got {sp.max_tokens})")
+        with self._format_lock:
+            prompt = self.formatter.build(request)
+        n, limit = len(prompt.input_ids), self.context_limit
+        if n >= limit:
+            if limit < self.max_context:
+                why = (f"the KV cache holds {limit} tokens ({self.pool.num_blocks} blocks of {self.block_size}); "
+                       "shorten the conversation, or start the engine with a larger KV cache (more free GPU "
+                       "memory, or the num_blocks / max_kv_tokens options)")
             else:
-                out.put(Delta(token_ids=(token,)))
-            if text.stopped:
-                finish = "stop"
-                break
-        answer, reasoning = text.finish()
-        if answer or reasoning:
-            out.put(Delta(answer, reasoning))
-        rate = times.decoded_tokens / times.decode if times.decode > 0 else 0.0
-        out.put(Final(finish, len(prompt.input_ids), len(generated),
-                      Timings(times.image_encode, times.prefill, times.first_token, times.decode, rate),
-                      prompt_token_ids=tuple(prompt.input_ids)))
+                why = f"this model's context holds {limit}; shorten the conversation or start a new chat"
+            raise RequestTooLong(f"the prompt has {n} tokens and leaves no room to answer: {why}", prompt.input_ids)
+        mrope = None
+        spans = []
+        if self.spec.family == "glm4v_moe":
+            ids = torch.tensor(prompt.input_ids, dtype=torch.long)
+            mrope = self.model.rope_positions(ids, prompt.image_grid_thw)
+            mrope = (mrope[0].cpu(), mrope[1])
+            if self.spec.vision is not None:
+                spans = image_spans(prompt, self.spec.image_tokens.image, self.spec.vision.spatial_merge_size)
+        with self._format_lock:
+            text = TextAssembler(self.formatter.tokenizer, self.spec.family, request.thinking, sp.stop)
+        return Sequence(next(self._ids), stream, prompt, Sampler(sp, self.device), text, limit=limit,
+                        eos_ids=self.spec.eos_token_ids, block_size=self.block_size, spans=spans, mrope=mrope)
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def _take_new(self) -> bool:
+        """Moves submitted sequences to the scheduler; blocks while there is nothing to do.
+        Returns False once shut down."""
+        block = not self.scheduler.has_work()
+        while True:
+            try:
+                seq = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            if seq is None:
+                return False
+            self.scheduler.add(seq)
+            block = False
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if seq.status is Status.FINISHED:
+            return
+        self.scheduler.remove(seq)  # blocks are back in the pool before the Final is seen
+        seq.finish(reason, error)
+
+    def _run(self) -> None:
+        while self._take_new():
+            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                if seq.stream.aborted.is_set():
+                    self._finish(seq, "abort")
+            try:
+                plan = self.scheduler.schedule()
+            except Exception as e:  # broken bookkeeping: end every request rather than spin
+                log.exception("scheduling failed")
+                for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                    self._finish(seq, "error", f"the scheduler failed: {type(e).__name__}: {e}")
+                continue
+            if not plan:
+                continue
+            try:
+                self._step(plan)
+            except Exception as e:  # a failed step must not take the engine (or other chats) down
+                log.exception("engine step failed")
+                for seq, _ in plan:
+                    self._finish(seq, "error", f"{type(e).__name__}: {e}")
+        leftovers = [*self.scheduler.running, *self.scheduler.waiting]
+        while not self._inbox.empty():
+            leftovers.append(self._inbox.get_nowait())
+        for seq in leftovers:
+            if seq is not None:
+                self._finish(seq, "abort")
+
+    def _step(self, plan: list[tuple[Sequence, int]]) -> None:
+        sampling, logits = self.runner.run(plan)
+        done = time.perf_counter()
+        self.scheduler.commit(plan)
+        for row, seq in enumerate(sampling):
+            if seq.clock.prefill_done is None:
+                seq.clock.prefill_done = done
+            try:
+                token = seq.sampler(logits[row], seq.penalty_context(logits.device))
+                reason = seq.append_token(token)
+            except Exception as e:  # e.g. sampling settings that leave no token: this request only
+                log.exception("sampling failed")
+                self._finish(seq, "error", f"{type(e).__name__}: {e}")
+                continue
+            if reason is not None:
+                self._finish(seq, reason)
+
+
+class RequestTooLong(ValueError):
+    def __init__(self, message: str, prompt_ids: list[int]):
+        super().__init__(message)
+        self.prompt_ids = prompt_ids
 
 
 def _nbytes(w) -> int:

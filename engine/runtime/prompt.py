@@ -46,7 +46,16 @@ def load_image_processor(path: str | Path):
         logging.getLogger("transformers").setLevel(quiet)
 
 
-def _hf_messages(messages: tuple[Message, ...], family: str) -> list[dict]:
+def _defuse(text: str, specials: tuple[str, ...]) -> str:
+    """Text from a person (or an earlier answer) that spells a special token, e.g. "<|image|>",
+    must stay text: a zero-width space after its first character stops the tokenizer matching it."""
+    for tok in specials:
+        if tok in text:
+            text = text.replace(tok, tok[0] + "\u200b" + tok[1:])
+    return text
+
+
+def _hf_messages(messages: tuple[Message, ...], family: str, specials: tuple[str, ...] = ()) -> list[dict]:
     out = []
     for m in messages:
         parts = []
@@ -54,7 +63,7 @@ def _hf_messages(messages: tuple[Message, ...], family: str) -> list[dict]:
             if isinstance(p, ImagePart):
                 parts.append({"type": "image"})
             elif isinstance(p, TextPart):
-                parts.append({"type": "text", "text": p.text})
+                parts.append({"type": "text", "text": _defuse(p.text, specials)})
         if family == "gpt_oss" or m.role != "user":
             # Only GLM user turns take images; other turns are plain strings for every template.
             content = "".join(p["text"] for p in parts if p["type"] == "text")
@@ -76,12 +85,14 @@ class ChatFormatter:
             raise ValueError(f"{path} has no chat template (tokenizer_config.json or chat_template.jinja); "
                              "the checkpoint is incomplete: download it again")
         self.image_processor = load_image_processor(path) if spec.vision is not None else None
+        added = [t.content for t in self.tokenizer.added_tokens_decoder.values()]
+        self.special_texts = tuple(sorted({t for t in added if len(t) > 1}, key=len, reverse=True))
 
     def render(self, request: ChatRequest) -> str:
         kwargs = {"enable_thinking": request.thinking} if self.spec.family == "glm4v_moe" else {
             "reasoning_effort": request.reasoning_effort}
         return self.tokenizer.apply_chat_template(
-            _hf_messages(request.messages, self.spec.family), tokenize=False, add_generation_prompt=True, **kwargs)
+            _hf_messages(request.messages, self.spec.family, self.special_texts), tokenize=False, add_generation_prompt=True, **kwargs)
 
     def build(self, request: ChatRequest) -> Prompt:
         images = [p for m in request.messages for p in m.content if isinstance(p, ImagePart)]

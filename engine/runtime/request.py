@@ -94,6 +94,9 @@ class Timings:
     first_token: float = 0.0
     decode: float = 0.0
     decode_tokens_per_s: float = 0.0
+    # Submit -> first scheduled step (prompt building, waiting for a batch slot or KV blocks).
+    # Not part of ttft, which counts the model's own work.
+    queued: float = 0.0
 
     @property
     def ttft(self) -> float:

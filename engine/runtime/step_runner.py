@@ -1,0 +1,97 @@
+"""One forward step over a packed batch: the planned tokens of every sequence (prefill chunks
+and decode tokens mixed) -> logits for the sequences whose last token was fed.
+
+Images are encoded here, once per admission, right before the first chunk that needs them;
+images whose tokens all lie in reused prefix blocks are not encoded at all.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .forward_batch import ForwardBatch
+from .kv_cache import PagedKVCache
+from .sequence import Sequence
+
+
+@dataclass
+class StepCounters:
+    steps: int = 0
+    computed_tokens: int = 0  # tokens fed to the model (prefill and decode)
+    images_encoded: int = 0
+    images_skipped: int = 0  # images wholly inside reused prefix blocks
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepRunner:
+    def __init__(self, model, cache: PagedKVCache, device: torch.device, dtype: torch.dtype):
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.dtype = dtype
+        self.vision = model.spec.vision is not None
+        self.counters = StepCounters()
+
+    def _plan_images(self, seq: Sequence) -> None:
+        """Encodes the images of `seq` that still have tokens to prefill (once per admission)."""
+        seq.vision_planned = True
+        todo = seq.images_to_encode()
+        self.counters.images_skipped += len(seq.spans) - len(todo)
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        p = seq.prompt
+        pixels = torch.cat([p.pixel_values[s.patch_start:s.patch_end] for s in todo])
+        grid = p.image_grid_thw[[s.index for s in todo]]
+        seq.features = self.model.encode_images(pixels.to(self.device), grid.to(self.device))
+        seq.feature_base, row = {}, 0
+        for s in todo:
+            seq.feature_base[s.index] = row
+            row += s.end - s.start
+        _sync(self.device)
+        seq.clock.image_encode += time.perf_counter() - t0
+        self.counters.images_encoded += len(todo)
+
+    def run(self, plan: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor | None]:
+        """plan: (sequence, tokens to feed) pairs. Returns the sequences to sample from now and
+        their float32 logits [len(those), vocab] in the same order."""
+        ids: list[int] = []
+        positions, features, entries, last_rows, sampling = [], [], [], [], []
+        for seq, n in plan:
+            lo, hi = seq.num_computed, seq.num_computed + n
+            if seq.spans and not seq.vision_planned:
+                self._plan_images(seq)
+            ids += seq.tokens[lo:hi]
+            positions.append(seq.rope_positions(lo, hi))
+            if seq.spans:
+                f = seq.image_features(lo, hi)
+                if f is not None:
+                    features.append(f)
+                if hi >= seq.spans[-1].end:
+                    seq.features = None  # every image token is in the cache now
+            entries.append((seq.blocks, lo, n))
+            if hi == len(seq.tokens):
+                last_rows.append(len(ids) - 1)
+                sampling.append(seq)
+        self.counters.steps += 1
+        self.counters.computed_tokens += len(ids)
+        token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        batch = ForwardBatch.build(entries, torch.cat(positions, dim=-1), self.cache.block_size, self.device)
+        with torch.inference_mode():
+            if self.vision:
+                h = self.model.embed(token_ids, torch.cat(features) if features else None)
+            else:
+                h = self.model.embed(token_ids)
+            h = self.model.forward(h.to(self.dtype), batch, self.cache)
+            logits = None
+            if last_rows:
+                rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
+                logits = self.model.logits(h.index_select(0, rows))
+        _sync(self.device)
+        return sampling, logits

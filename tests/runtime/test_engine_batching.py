@@ -1,0 +1,158 @@
+"""Continuous batching, chunked prefill, preemption, cancel and refusals on a tiny gpt-oss
+(sliding window 8 on alternate layers, so windows cross 4-token blocks and chunk edges)."""
+import threading
+import time
+
+from tiny_models import chat, collect, hf_greedy
+
+QUESTIONS = ["Hello there, how are you today?", "Tell me a story about dragons and castles.",
+             "What is 2+2?", "Hello there, how are you today?", "Name three colours of the sky at dusk."]
+
+
+def _wait_until_idle(engine, timeout=10.0):
+    deadline = time.time() + timeout
+    while engine.counters()["free_blocks"] != engine.pool.num_blocks and time.time() < deadline:
+        time.sleep(0.01)
+    engine.pool.check()
+    return engine.counters()["free_blocks"] == engine.pool.num_blocks
+
+
+def test_chunked_prefill_matches_transformers(oss):
+    engine = oss.engine(block_size=4, max_batch_tokens=7)
+    request = chat(("user", "Hello there, how are you today? Tell me a story about dragons."), max_tokens=20)
+    ids, _, _, final = collect(engine.submit(request))
+    assert ids == hf_greedy(oss, engine.formatter.build(request), 20)
+    assert final.finish_reason == "length" and final.completion_tokens == 20
+    assert final.prompt_tokens == len(final.prompt_token_ids) > 7  # it really took several chunks
+    t = final.timings
+    assert t.prefill > 0 and t.first_token > 0 and t.decode > 0 and t.decode_tokens_per_s > 0
+    assert t.image_encode == 0
+    engine.shutdown()
+
+
+def test_batched_requests_give_the_tokens_of_one_at_a_time(oss):
+    requests = [chat(("user", q), max_tokens=12) for q in QUESTIONS]
+    alone_engine = oss.engine(block_size=4, max_batch_tokens=16)
+    alone = [collect(alone_engine.submit(r))[0] for r in requests]
+    batched_engine = oss.engine(block_size=4, max_batch_tokens=16)
+    streams = [batched_engine.submit(r) for r in requests]  # all in flight together
+    assert [collect(s)[0] for s in streams] == alone
+    # A second batch on the warm engine reuses cached prefixes and still agrees.
+    streams = [alone_engine.submit(r) for r in requests]
+    assert [collect(s)[0] for s in streams] == alone
+    assert alone_engine.counters()["prefix_hit_tokens"] > 0
+    assert _wait_until_idle(batched_engine) and _wait_until_idle(alone_engine)
+    batched_engine.shutdown()
+    alone_engine.shutdown()
+
+
+def test_requests_from_several_threads(oss):
+    requests = [chat(("user", q + " " * i), max_tokens=10) for i, q in enumerate(QUESTIONS * 2)]
+    reference = oss.engine(block_size=4)
+    expected = [collect(reference.submit(r))[0] for r in requests]
+    engine = oss.engine(block_size=4, max_batch_tokens=32)
+    results = [None] * len(requests)
+
+    def client(i):
+        results[i] = collect(engine.submit(requests[i]))[0]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == expected
+    assert engine.counters()["steps"] < sum(len(e) for e in expected)  # they shared steps
+    engine.shutdown()
+    reference.shutdown()
+
+
+def test_preemption_under_a_tiny_pool_keeps_outputs_exact(oss):
+    requests = [chat(("user", q), max_tokens=24) for q in QUESTIONS[:3]]
+    roomy = oss.engine(block_size=4)
+    expected = [collect(roomy.submit(r))[0] for r in requests]
+    # Each request needs ~20 blocks; 30 hold one or two at a time, never all three.
+    tight = oss.engine(block_size=4, num_blocks=30, max_batch_tokens=16)
+    streams = [tight.submit(r) for r in requests]
+    assert [collect(s)[0] for s in streams] == expected
+    assert tight.counters()["preemptions"] > 0
+    assert _wait_until_idle(tight)
+    tight.shutdown()
+    roomy.shutdown()
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(oss):
+    sampled = chat(("user", QUESTIONS[1]), max_tokens=16, temperature=1.0, top_p=0.9, seed=7)
+    engine = oss.engine(block_size=4, max_batch_tokens=16)
+    alone = collect(engine.submit(sampled))[0]
+    others = [engine.submit(chat(("user", q), max_tokens=16)) for q in QUESTIONS]
+    again = engine.submit(sampled)
+    assert collect(again)[0] == alone
+    for s in others:
+        collect(s)
+    engine.shutdown()
+
+
+def test_closing_a_stream_aborts_and_frees_every_block(oss):
+    engine = oss.engine(block_size=4, max_running=1)
+    running = engine.submit(chat(("user", QUESTIONS[1]), max_tokens=400))
+    queued = engine.submit(chat(("user", QUESTIONS[2]), max_tokens=400))  # waits: one running at most
+    queued.close()
+    items = iter(running)
+    for _ in range(3):
+        next(items)
+    running.close()
+    final = collect(items)[3]
+    assert final.finish_reason == "abort" and 3 <= final.completion_tokens < 400
+    final = collect(queued)[3]
+    assert final.finish_reason == "abort" and final.completion_tokens == 0
+    assert _wait_until_idle(engine)
+    # A stream closed without ever being read is aborted too.
+    engine.submit(chat(("user", QUESTIONS[0]), max_tokens=400)).close()
+    assert _wait_until_idle(engine)
+    # The engine is still healthy afterwards.
+    assert collect(engine.submit(chat(("user", QUESTIONS[0]), max_tokens=3)))[3].finish_reason == "length"
+    engine.shutdown()
+
+
+def test_too_long_requests_are_refused_with_the_limit(oss):
+    small_pool = oss.engine(block_size=4, num_blocks=8)  # 32 tokens
+    final = collect(small_pool.submit(chat(("user", QUESTIONS[1]))))[3]
+    assert final.finish_reason == "error" and "KV cache holds 32 tokens" in final.error
+    assert final.prompt_tokens > 32
+    short_context = oss.engine(block_size=4, max_context=40)
+    final = collect(short_context.submit(chat(("user", QUESTIONS[1]))))[3]
+    assert final.finish_reason == "error" and "context holds 40" in final.error
+    assert short_context.info().context_length == 40
+    # A prompt that fits runs until the context is full, then ends with "length".
+    request = chat(("user", "Hi"), max_tokens=100)
+    n = len(short_context.formatter.build(request).input_ids)
+    ids, _, _, final = collect(short_context.submit(request))
+    assert final.finish_reason == "length" and final.completion_tokens == len(ids) == 40 - n
+    small_pool.shutdown()
+    short_context.shutdown()
+
+
+def test_multi_turn_reuses_the_earlier_turn(oss):
+    first = chat(("user", QUESTIONS[1]), max_tokens=12)
+    warm = oss.engine(block_size=4)
+    ids1, _, _, f1 = collect(warm.submit(first))
+    second = chat(("user", QUESTIONS[1]), ("assistant", "Once upon a time."), ("user", "And then?"), max_tokens=12)
+    before = warm.counters()
+    ids, _, _, f2 = collect(warm.submit(second))
+    after = warm.counters()
+    assert f1.finish_reason == f2.finish_reason == "length"
+    cold = oss.engine(block_size=4)
+    assert collect(cold.submit(second))[0] == ids
+    # The earlier turn's cached tokens (its prompt and all generated ids but the last, which is
+    # sampled and never fed) were found in full blocks, not recomputed.
+    earlier = list(f1.prompt_token_ids) + ids1[:-1]
+    now = list(f2.prompt_token_ids)
+    common = next((i for i, (a, b) in enumerate(zip(earlier, now)) if a != b), min(len(earlier), len(now)))
+    expected_hit = min(common, len(now) - 1) // 4 * 4
+    assert expected_hit >= len(f1.prompt_token_ids) // 4 * 4
+    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == expected_hit
+    assert after["computed_tokens"] - before["computed_tokens"] == len(now) - expected_hit + 11
+    warm.shutdown()
+    cold.shutdown()
+

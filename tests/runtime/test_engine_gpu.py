@@ -1,0 +1,37 @@
+"""The serving loop on a CUDA device: KV pool sized from free GPU memory, batched greedy equal to
+one at a time, images, prefix reuse."""
+import pytest
+import torch
+
+from localchat.engine.runtime.request import TextPart
+from tiny_models import chat, collect, image, tiny_glm, tiny_gpt_oss
+
+pytestmark = pytest.mark.gpu
+
+QUESTIONS = ["Hello there, how are you today?", "Tell me a story about dragons and castles.", "What is 2+2?"]
+
+
+def test_gpt_oss_on_cuda(tmp_path):
+    tiny = tiny_gpt_oss(tmp_path, "cuda")
+    engine = tiny.engine(block_size=16)
+    # Sized from free memory, capped at what max_running full contexts could use.
+    assert engine.pool.num_blocks == 512 * 64 // 16
+    assert engine.cache.k.is_cuda
+    requests = [chat(("user", q), max_tokens=16) for q in QUESTIONS]
+    alone = [collect(engine.submit(r))[0] for r in requests]
+    streams = [engine.submit(r) for r in requests]
+    assert [collect(s)[0] for s in streams] == alone
+    assert engine.counters()["prefix_hit_tokens"] > 0
+    engine.shutdown()
+
+
+def test_glm_images_on_cuda(tmp_path):
+    tiny = tiny_glm(tmp_path, "cuda")
+    request = chat(("user", (TextPart("Look: "), image(0, 112, 84), TextPart("What is it?"))), max_tokens=12)
+    cold = tiny.engine(block_size=4, max_batch_tokens=9)
+    ids, _, _, final = collect(cold.submit(request))
+    assert final.finish_reason == "length" and final.timings.image_encode > 0
+    assert collect(cold.submit(request))[0] == ids
+    assert cold.counters()["images_skipped"] == 1
+    cold.shutdown()
+    torch.cuda.synchronize()
