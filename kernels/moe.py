@@ -98,7 +98,10 @@ def gpt_oss_experts(gate_up: LinearWeight, gate_up_bias: torch.Tensor, down: Lin
                       "swiglu_clamped", alpha, limit)
 
 
-def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool) -> MoeConfig:
+SHARED_MEMORY_BUDGET = 200 * 1024
+
+
+def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2) -> MoeConfig:
     """Tile sizes by the expected pairs per expert (uniform routing); decode sizes get
     BLOCK_M=16 (the smallest tensor-core M) and narrow N tiles, so a handful of experts still
     spreads over every SM as a stream of weight rows."""
@@ -107,10 +110,19 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool) -> 
     per_expert = num_pairs / max(num_experts, 1)
     block_k = 256 if fmt == FMT_MXFP4 else 128
     if per_expert <= 16:
-        return MoeConfig(16, 32, block_k, 4, 4)
-    if per_expert <= 48:
-        return MoeConfig(32, 64, block_k, 4, 4)
-    return MoeConfig(64, 128, 128 if fmt == FMT_MXFP4 else 64, 8, 3)
+        cfg = MoeConfig(16, 32, block_k, 4, 4)
+    elif per_expert <= 48:
+        cfg = MoeConfig(32, 64, block_k, 4, 4)
+    else:
+        cfg = MoeConfig(64, 128, 128 if fmt == FMT_MXFP4 else 64, 8, 3)
+    # Pipelined tiles must fit in shared memory (227 KiB on Hopper): fewer stages for wide
+    # (fp32) operands.
+    w_bytes = {FMT_DENSE: elem_bytes, FMT_MXFP4: 0.5}.get(fmt, 1)
+    stage_bytes = cfg.block_k * (cfg.block_m * elem_bytes + 2 * cfg.block_n * w_bytes)
+    stages = cfg.num_stages
+    while stages > 1 and stages * stage_bytes > SHARED_MEMORY_BUDGET:
+        stages -= 1
+    return MoeConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stages)
 
 
 def _kernel_weight(w: LinearWeight) -> tuple[int, torch.Tensor, torch.Tensor, tuple[int, int, int], tuple[int, int]]:
@@ -159,7 +171,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     if t == 0:
         return out
     on_gpu = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    cfg = config or default_config(t * k, e, fmt, on_gpu)
+    cfg = config or default_config(t * k, e, fmt, on_gpu, x.element_size())
     if (fmt == FMT_FP8_BLK and sblock[1] % cfg.block_k) or (fmt_d == FMT_FP8_BLK and sdblock[1] % cfg.block_k):
         raise ValueError(f"block_k {cfg.block_k} must divide the FP8 scale block {sblock}")
     num_pairs = t * k
