@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from localchat.engine.layers import moe as moe_layer
 from localchat.engine.models import build_model
@@ -30,18 +29,8 @@ def truncated_spec(name: str, layers: int = 2, vision_depth: int = 2) -> ModelSp
     return ModelSpec.from_config(cfg)
 
 
-def _logits_of(name, args):
-    """Router logits from the arguments of any of the four routing functions."""
-    if name in ("route_glm", "route_gpt_oss"):
-        return args[0].float()
-    x, weight, bias = args[0], args[1], args[2]
-    if name == "route_sigmoid_bias":
-        return F.linear(x.float(), weight.float())
-    return F.linear(x.float(), weight.float(), bias.float())
-
-
 def _weights_for(name, logits, ids, spec):
-    if name in ("route_glm", "route_sigmoid_bias"):
+    if name.startswith("route_glm"):
         scores = logits.sigmoid().gather(1, ids)
         if spec.moe.norm_topk_prob:
             scores = scores / scores.sum(-1, keepdim=True)
@@ -61,14 +50,14 @@ def recorded_routing(spec=None, replay=None):
         def route(*args, **kwargs):
             weights, ids = fn(*args, **kwargs)
             if replayed is not None:
-                logits = _logits_of(name, args)
+                logits = args[0].float()
                 ids = next(replayed).to(device=logits.device, dtype=ids.dtype)
                 weights = _weights_for(name, logits, ids.long(), spec).to(weights.dtype)
             calls.append(ids.sort(dim=-1).values.cpu())
             return weights, ids
         return route
 
-    names = ("route_glm", "route_gpt_oss", "route_sigmoid_bias", "route_softmax_topk")
+    names = ("route_glm", "route_gpt_oss", "route_glm_ref", "route_gpt_oss_ref")
     saved = {n: getattr(moe_layer, n) for n in names}
     for n in names:
         setattr(moe_layer, n, wrap(n, saved[n]))
