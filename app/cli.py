@@ -22,7 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="localchat", description="Local vision chat with GLM-4.5V and gpt-oss. With no command: serve the chat page.")
     parser.add_argument("--model", default=None,
-                        help="registry name, Hub repo id or checkpoint directory (default: the best model that fits)")
+                        help="registry name, Hub repo id or checkpoint directory (default: the best model that fits); "
+                             "'demo' for a tiny random-weight model that runs on CPU; with --backend, the remote "
+                             "model to use (default: the first it lists)")
+    parser.add_argument("--backend", default=None, metavar="URL",
+                        help="chat through an OpenAI-compatible server (vLLM, SGLang, localchat) at URL, "
+                             "e.g. http://host:8000/v1, instead of loading a model here")
+    parser.add_argument("--backend-key", default=None, metavar="KEY", help="bearer key the --backend server wants")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--auth", default=None, metavar="USER:PASSWORD", help="required to listen beyond localhost")
@@ -35,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="answer one question and exit",
                          description="Answer one question with a local checkpoint; stream the answer to stdout.")
-    run.add_argument("model", help="a registry name (glm-4.5v-fp8, gpt-oss-20b, ...), a Hub repo id or a checkpoint directory")
+    run.add_argument("model", help="a registry name (glm-4.5v-fp8, gpt-oss-20b, ...), a Hub repo id, a checkpoint "
+                                   "directory, or 'demo' (a tiny random-weight model)")
     run.add_argument("--prompt", required=True, help="the question")
     run.add_argument("--image", action="append", default=[], metavar="PATH",
                      help="an image to ask about (repeat for several; they come before the text, in order)")
@@ -100,15 +107,37 @@ def _request(args, model_dir: Path):
 
 
 def _model_dir(args) -> Path:
-    """A local checkpoint directory for MODEL, downloading it on first use."""
+    """A local checkpoint directory for MODEL, downloading it on first use ("demo": built on first use)."""
     from ..engine.hub import ensure_local
+    from .demo import DEMO_NAME, ensure_demo
 
+    if args.model == DEMO_NAME:  # a directory of that name is still reachable as ./demo
+        return ensure_demo()
     return Path(ensure_local(args.model, offline=args.offline or None))
+
+
+def _check_fits(args, model_dir: Path) -> None:
+    """Refuses early, with advice, what would otherwise end in a CUDA out-of-memory error."""
+    from ..engine.planner import checkpoint_weight_bytes, local_gpus, plan
+    from ..engine.spec import ModelSpec
+
+    gpus = [] if args.device == "cpu" else local_gpus()
+    if not gpus:
+        return
+    # The engine places a model on one GPU today; the planner's multi-GPU options are advice.
+    result = plan(ModelSpec.from_dir(model_dir), checkpoint_weight_bytes(model_dir), gpus[:1],
+                  max_context=args.max_context)
+    if result.chosen is None:
+        raise UserError(f"{args.model} does not fit GPU {gpus[0].index}: {result.summary()}")
+    if result.verdict == "fits_reduced" and args.max_context is None:
+        args.max_context = result.chosen.max_context
+        print(f"localchat: context limited to {args.max_context} tokens to fit GPU memory", file=sys.stderr)
 
 
 def _load_engine(args, model_dir: Path):
     from ..engine.runtime.engine import Engine
 
+    _check_fits(args, model_dir)
     progress = None
     if sys.stderr.isatty() and not getattr(args, "json", False):
         def progress(done, total, file):  # noqa: E306
@@ -179,15 +208,25 @@ def _default_model() -> str:
 
 
 def cmd_serve(args) -> int:
+    from .demo import DEMO_NAME, DEMO_NOTE
     from .ui import serve
 
-    if args.model is None:
-        args.model = _default_model()
-        print(f"localchat: using {args.model} (pass --model to choose)", file=sys.stderr)
-    model_dir = _model_dir(args)
-    engine = _load_engine(args, model_dir)
+    if args.backend:
+        from .remote import RemoteEngine
+
+        engine = RemoteEngine(args.backend, api_key=args.backend_key, model=args.model)
+        info = engine.info()  # an unreachable or refusing server stops here, not at the first chat
+        print(f"localchat: chatting with {info.name} at {engine.base_url}", file=sys.stderr)
+    else:
+        if args.model is None:
+            args.model = _default_model()
+            print(f"localchat: using {args.model} (pass --model to choose)", file=sys.stderr)
+        model_dir = _model_dir(args)
+        engine = _load_engine(args, model_dir)
     auth = tuple(args.auth.split(":", 1)) if args.auth else None
-    serve(engine, host=args.host, port=args.port, auth=auth, api_key=args.api_key, open_browser=not args.no_browser)
+    note = DEMO_NOTE if args.model == DEMO_NAME and not args.backend else None
+    serve(engine, host=args.host, port=args.port, auth=auth, api_key=args.api_key, open_browser=not args.no_browser,
+          demo_note=note)
     return 0
 
 

@@ -1,0 +1,292 @@
+"""`--model demo`: a tiny GLM-4.5V-architecture checkpoint with random weights, built on first use.
+
+It lets the whole app (page, API, `localchat run`) work on a machine with no GPU and no
+download. The files have the real checkpoint's layout (per-expert bf16 tensors in sharded
+safetensors with an index, config.json in the Hub dialect, generation_config.json, tokenizer
+files with a GLM-shaped chat template, preprocessor_config.json), so the engine loads it through
+the same code path as a real model. The answers are random text.
+
+The byte-level BPE tokenizer and the chat template here are also what the test fixtures use.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+DEMO_NAME = "demo"
+DEMO_NOTE = "Demo model: random weights, the answers are nonsense."
+# Bump when anything written below changes, so stale cached builds are not reused.
+DEMO_VERSION = 1
+VOCAB = 336  # the tokenizer has 321 entries; the embedding is padded like the real one's
+SHARDS = 3
+LM_HEAD_SCALE = 3.0  # x the other linears' std: peaked but varied sampling
+
+BPE_VOCAB = 300  # 256 byte symbols + 44 merges
+# GLM-4.5 special tokens (reference notes A.8). Whether <think>, </think>, /nothink and the box
+# markers are "special" in the real tokenizer.json is inferred: they are kept as added but
+# non-special tokens so skip_special_tokens decoding keeps the reasoning markers.
+GLM_SPECIAL = ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+               "<|assistant|>", "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>",
+               "<|end_of_video|>", "<|image|>", "<|video|>")
+GLM_ADDED = ("<think>", "</think>", "/nothink", "<|begin_of_box|>", "<|end_of_box|>")
+
+# A few hundred merges are learned from this fixed text so ordinary words are not one token per byte.
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is in this picture? Describe the image in one sentence.",
+    "Hello, how are you today? I am fine, thank you for asking.",
+    "A red square and a blue circle are on the table in the kitchen.",
+    "Think step by step, then answer the question with a short number.",
+    "the theory of the thing is that there is nothing in the world that the thinker thinks",
+    "one two three four five six seven eight nine ten eleven twelve",
+    "Please write a poem about the sea, the sky and the stars at night.",
+] * 8
+
+# The shape of GLM-4.5V's template (reference notes A.8): prefix `[gMASK]<sop>`; turns
+# `<|system|>\n`, `<|user|>\n`, `<|assistant|>`; an image renders
+# `<|begin_of_image|><|image|><|end_of_image|>`; `/nothink` ends user turns when thinking is off;
+# assistant history carries `\n<think>reasoning</think>` only after the last user turn (else
+# `\n<think></think>`), then `\ncontent`; the generation prompt is `<|assistant|>\n`, plus
+# `<think></think>\n` when thinking is off.
+GLM_CHAT_TEMPLATE = r"""{%- macro visible(content) -%}
+{%- if content is string -%}{{ content }}
+{%- elif content is not none -%}
+{%- for item in content -%}
+{%- if item.type == 'text' -%}{{ item.text }}
+{%- elif item.type in ['image', 'image_url'] -%}{{ '<|begin_of_image|><|image|><|end_of_image|>' }}
+{%- elif item.type in ['video', 'video_url'] -%}{{ '<|begin_of_video|><|video|><|end_of_video|>' }}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- set thinking = enable_thinking is not defined or enable_thinking -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{{- '[gMASK]<sop>' -}}
+{%- for m in messages -%}
+{%- set text = visible(m.content) -%}
+{%- if m.role == 'system' -%}
+{{- '<|system|>\n' + text -}}
+{%- elif m.role == 'user' -%}
+{{- '<|user|>\n' + text -}}
+{%- if not thinking and not text.endswith('/nothink') -%}{{- '/nothink' -}}{%- endif -%}
+{%- elif m.role == 'assistant' -%}
+{%- set reasoning = m.reasoning_content if m.reasoning_content is defined and m.reasoning_content else '' -%}
+{%- if '</think>' in text -%}
+{%- set reasoning = text.split('</think>')[0].split('<think>')[-1].strip() -%}
+{%- set text = text.split('</think>')[-1] -%}
+{%- endif -%}
+{{- '<|assistant|>' -}}
+{%- if loop.index0 > ns.last_user and reasoning -%}
+{{- '\n<think>' + reasoning.strip() + '</think>' -}}
+{%- else -%}
+{{- '\n<think></think>' -}}
+{%- endif -%}
+{%- if text.strip() -%}{{- '\n' + text.strip() -}}{%- endif -%}
+{%- elif m.role in ['tool', 'observation'] -%}
+{{- '<|observation|>\n<tool_response>\n' + text + '\n</tool_response>' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|assistant|>\n' -}}
+{%- if not thinking -%}{{- '<think></think>\n' -}}{%- endif -%}
+{%- endif -%}"""
+
+
+def build_tokenizer(special: tuple[str, ...], added: tuple[str, ...] = ()):
+    """A byte-level BPE `tokenizers.Tokenizer`: learned merges, then `special`, then `added` (fixed ids)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False, special_tokens=[])
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    for t in special:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)])
+    for t in added:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)])
+    return tok
+
+
+def save_tokenizer(tok, out: Path, chat_template: str, *, eos: str, pad: str, bos: str | None = None,
+                   extra_config: dict | None = None) -> None:
+    """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) as transformers writes them."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad, bos_token=bos,
+                                   clean_up_tokenization_spaces=False, model_max_length=4096, **(extra_config or {}))
+    fast.chat_template = chat_template
+    fast.save_pretrained(out)
+
+
+def demo_root() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("localchat")) / "demo"
+
+
+def ensure_demo(root: Path | None = None) -> Path:
+    """The demo checkpoint directory under `root` (default: the user cache dir), built if missing."""
+    root = Path(root) if root is not None else demo_root()
+    target = root / f"v{DEMO_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    # Build beside the final place and rename, so an interrupted build is never taken as done.
+    stage = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    try:
+        build_demo(stage)
+        try:
+            stage.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return target
+
+
+def build_demo(out: Path, seed: int = 0) -> None:
+    """Write the whole demo checkpoint into the directory `out`."""
+    from ..engine.spec import ModelSpec
+
+    tok = build_tokenizer(GLM_SPECIAL, GLM_ADDED)
+    ids = {n: tok.token_to_id(n) for n in GLM_SPECIAL + GLM_ADDED}
+    eos = [ids["<|endoftext|>"], ids["<|user|>"], ids["<|observation|>"]]
+    config = _config(ids, eos)
+    generation = {"eos_token_id": eos, "pad_token_id": ids["<|endoftext|>"], "do_sample": True,
+                  "temperature": 0.8, "top_p": 0.9, "top_k": 40}
+    spec = ModelSpec.from_config(config, generation)
+    tensors = _random_tensors(spec, seed, _unprintable_ids(tok))
+    _write_shards(out, tensors)
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", generation)
+    _write_json(out / "preprocessor_config.json", _preprocessor_config())
+    save_tokenizer(tok, out, GLM_CHAT_TEMPLATE, eos="<|endoftext|>", pad="<|endoftext|>",
+                   extra_config={"processor_class": "Glm4vProcessor"})
+
+
+def _config(ids: dict[str, int], eos: list[int]) -> dict:
+    """config.json in the Hub's 4.5x dialect (rope keys inside text_config, "torch_dtype")."""
+    text = {
+        "model_type": "glm4v_moe_text", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 160,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1,
+        "topk_group": 1, "attention_bias": True, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3]},
+        "hidden_act": "silu", "eos_token_id": eos, "pad_token_id": ids["<|endoftext|>"], "torch_dtype": "bfloat16",
+    }
+    vision = {"model_type": "glm4v_moe_vision", "depth": 2, "hidden_size": 32, "num_heads": 2,
+              "intermediate_size": 96, "out_hidden_size": 64, "patch_size": 14, "temporal_patch_size": 2,
+              "spatial_merge_size": 2, "image_size": 56, "in_channels": 3, "rms_norm_eps": 1e-5, "hidden_act": "silu"}
+    return {
+        "architectures": ["Glm4vMoeForConditionalGeneration"], "model_type": "glm4v_moe",
+        "text_config": text, "vision_config": vision, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "image_token_id": ids["<|image|>"], "video_token_id": ids["<|video|>"],
+        "image_start_token_id": ids["<|begin_of_image|>"], "image_end_token_id": ids["<|end_of_image|>"],
+        "video_start_token_id": ids["<|begin_of_video|>"], "video_end_token_id": ids["<|end_of_video|>"],
+        "transformers_version": "4.57.1",
+    }
+
+
+def _preprocessor_config() -> dict:
+    """Glm4vImageProcessor with small pixel limits (at most 224x224 pixels: 64 image tokens)."""
+    return {
+        "image_processor_type": "Glm4vImageProcessor", "processor_class": "Glm4vProcessor",
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "resample": 3,
+        "size": {"shortest_edge": 3136, "longest_edge": 50176},
+    }
+
+
+def _unprintable_ids(tok) -> list[int]:
+    """Byte tokens that decode to control characters or half a UTF-8 sequence, and special
+    tokens other than the stop tokens: the demo should rarely emit them."""
+    keep = {"<|endoftext|>", "<|user|>", "<|observation|>", "<think>", "</think>"}
+    out = []
+    for i in range(tok.get_vocab_size()):
+        piece = tok.id_to_token(i)
+        if piece in GLM_SPECIAL + GLM_ADDED:
+            if piece not in keep:
+                out.append(i)
+            continue
+        text = tok.decode([i])
+        if not text or "\ufffd" in text or not all(c.isprintable() or c in " \n" for c in text):
+            out.append(i)
+    return out
+
+
+def _random_tensors(spec, seed: int, muted_ids: list[int]) -> dict:
+    """{checkpoint name: tensor} for every entry of the schema, bf16 (correction bias fp32).
+
+    The scale follows the test fixtures (std 0.08, norms near 1, non-zero router bias) so logits
+    are not flat; lm_head rows get a larger scale so sampling is peaked and varied, and the rows
+    of `muted_ids` a small one so those tokens are seldom sampled."""
+    import torch
+
+    from ..engine.weights.schema import LinearModule, PlainTensor, expected_entries
+
+    g = torch.Generator().manual_seed(seed)
+    normal = lambda shape, std: torch.randn(shape, generator=g) * std  # noqa: E731
+    out: dict[str, torch.Tensor] = {}
+    for entry in expected_entries(spec):
+        if isinstance(entry, PlainTensor):
+            name, shape = entry.source, entry.shape
+            if name.endswith("e_score_correction_bias"):
+                out[name] = normal(shape, 0.1)
+            elif "norm" in name and name.endswith("weight"):
+                out[name] = 1.0 + normal(shape, 0.1)
+            elif name.endswith("bias"):
+                out[name] = normal(shape, 0.05)
+            elif "embed_tokens" in name:
+                out[name] = normal(shape, 0.2)
+            else:
+                out[name] = normal(shape, 0.08)
+        elif isinstance(entry, LinearModule):
+            for module in entry.sources:
+                w = normal(entry.shape, 0.08)
+                if module == "lm_head":
+                    w *= LM_HEAD_SCALE
+                    w[muted_ids] *= 0.1
+                out[f"{module}.weight"] = w
+        else:
+            raise ValueError(f"the demo builds GLM checkpoints only, not {type(entry).__name__}")
+    return {n: t if n.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+            for n, t in sorted(out.items(), key=lambda kv: _hub_order(kv[0]))}
+
+
+def _hub_order(name: str):
+    """Numeric layer/expert order like the Hub shards, so one layer's experts may span two files."""
+    return [int(p) if p.isdigit() else p for p in name.split(".")]
+
+
+def _write_shards(out: Path, tensors: dict) -> None:
+    """SHARDS files named like transformers' (model-0000i-of-0000n) of about equal bytes + the index."""
+    from safetensors.torch import save_file
+
+    from ..engine.weights.safetensors_files import INDEX_NAME
+
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+    target, acc = sum(sizes.values()) / SHARDS, 0
+    groups: list[dict] = [{} for _ in range(SHARDS)]
+    for name, t in tensors.items():
+        groups[min(int(acc // target), SHARDS - 1)][name] = t.contiguous()
+        acc += sizes[name]
+    weight_map = {}
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{SHARDS:05d}.safetensors"
+        save_file(group, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, fname))
+    _write_json(out / INDEX_NAME, {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map})
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
