@@ -20,8 +20,9 @@ from localchat.engine.runtime.forward_batch import ForwardBatch
 from localchat.engine.runtime.kv_cache import PagedKVCache
 from localchat.engine.spec import ModelSpec
 from localchat.engine.weights.dummy import dummy_weights
+from localchat.engine.model_configs import CONFIG_DIR
 
-CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "data" / "configs"
+CONFIGS = CONFIG_DIR
 COPY_CEILING = 4.27e12  # device-to-device copy on one H200, read + write (DESIGN.md)
 BLOCK = 16
 

@@ -13,8 +13,9 @@ fused [E, 2I, H] tensor, concatenated (transformers' GLM layout) or row-interlea
 """
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -23,6 +24,7 @@ from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4
 from .moe_align import moe_align
 from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4,
                        moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
+from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 
 ACTIVATIONS = {"silu_glu": ACT_SILU_GLU, "swiglu_clamped": ACT_SWIGLU_OAI}
 
@@ -63,6 +65,7 @@ class MoeConfig:
     num_warps: int = 4
     num_stages: int = 3
     mx_dot_scaled: bool = True  # MXFP4 through tl.dot_scaled, else the in-kernel bit decode
+    gemv: bool = False  # row-streaming kernels for decode sizes; block_m=1 also skips moe_align
 
 
 def _rows(w: LinearWeight, rows: slice) -> LinearWeight:
@@ -102,12 +105,19 @@ SHARED_MEMORY_BUDGET = 200 * 1024
 
 
 def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2) -> MoeConfig:
-    """Tile sizes by the expected pairs per expert (uniform routing); decode sizes get
-    BLOCK_M=16 (the smallest tensor-core M) and narrow N tiles, so a handful of experts still
-    spreads over every SM as a stream of weight rows."""
+    """Tile sizes by the expected pairs per expert (uniform routing). Up to two pairs per expert
+    (decode: gpt-oss-120b to 64 tokens, GLM-4.5V to 32) the row-streaming kernels with one pair
+    per program win on an H200 (bench/bench_moe_sweep.py, BENCHMARKS.md "MoE sweep"); above,
+    tensor-core tiles."""
     if not on_gpu:
         return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
     per_expert = num_pairs / max(num_experts, 1)
+    if per_expert <= 2:
+        if fmt == FMT_MXFP4:
+            return MoeConfig(1, 8, 512, 4, 1, gemv=True)
+        if fmt == FMT_FP8_BLK:
+            return MoeConfig(1, 32, 128, 4, 1, gemv=True)  # block_k must divide the scale block
+        return MoeConfig(1, 16, 256, 4, 1, gemv=True)
     block_k = 256 if fmt == FMT_MXFP4 else 128
     if per_expert <= 16:
         cfg = MoeConfig(16, 32, block_k, 4, 4)
@@ -172,11 +182,22 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         return out
     on_gpu = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     cfg = config or default_config(t * k, e, fmt, on_gpu, x.element_size())
+    if config is None and FMT_FP8_BLK in (fmt, fmt_d):
+        # a default K step inside one scale block, whatever the checkpoint's block size
+        steps = [cfg.block_k] + [b[1] for f, b in ((fmt, sblock), (fmt_d, sdblock)) if f == FMT_FP8_BLK]
+        cfg = replace(cfg, block_k=math.gcd(*steps))
     if (fmt == FMT_FP8_BLK and sblock[1] % cfg.block_k) or (fmt_d == FMT_FP8_BLK and sdblock[1] % cfg.block_k):
         raise ValueError(f"block_k {cfg.block_k} must divide the FP8 scale block {sblock}")
+    if cfg.gemv and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_k % 32:
+        raise ValueError(f"the MXFP4 row-streaming kernels need block_k a multiple of 32, got {cfg.block_k}")
     num_pairs = t * k
-    sorted_ids, block_expert = moe_align(topk_ids, e, cfg.block_m)
-    b_max = block_expert.numel()
+    if cfg.gemv and cfg.block_m == 1:
+        # one program per pair, in pair order: no grouping pass needed
+        block_expert = topk_ids.reshape(-1)
+        sorted_ids, b_max, sorted_pairs = block_expert, num_pairs, False
+    else:
+        sorted_ids, block_expert = moe_align(topk_ids, e, cfg.block_m)
+        b_max, sorted_pairs = block_expert.numel(), True
     act = torch.empty((num_pairs, i), dtype=x.dtype, device=x.device)
     has_bias = experts.gate_bias is not None
     bg = experts.gate_bias if has_bias else x
@@ -185,24 +206,32 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         raise ValueError("gate and up biases must share strides")
     x_fmt = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "fp32")
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    moe_gate_up_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
-        x, x.stride(0), wg, wu, wg.stride(0), wg.stride(1), sg, su, *s_strides,
-        bg, bu, bg.stride(0) if has_bias else 0, bg.stride(1) if has_bias else 0,
-        act, act.stride(0), sorted_ids, block_expert, num_pairs, i, h, k,
-        float(experts.alpha), float(experts.limit),
-        FORMAT=fmt, MX_DOT_SCALED=cfg.mx_dot_scaled, SBN=sblock[0], SBK=sblock[1], X_FMT=x_fmt,
-        ACT=ACTIVATIONS[experts.activation], HAS_BIAS=has_bias,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+    gate_up_args = (x, x.stride(0), wg, wu, wg.stride(0), wg.stride(1), sg, su, *s_strides,
+                    bg, bu, bg.stride(0) if has_bias else 0, bg.stride(1) if has_bias else 0,
+                    act, act.stride(0), sorted_ids, block_expert, num_pairs, i, h, k,
+                    float(experts.alpha), float(experts.limit))
+    gate_up_meta = dict(FORMAT=fmt, SBN=sblock[0], SBK=sblock[1], ACT=ACTIVATIONS[experts.activation],
+                        HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+    if cfg.gemv:
+        moe_gate_up_gemv_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
+            *gate_up_args, SORTED=sorted_pairs, **gate_up_meta)
+    else:
+        moe_gate_up_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
+            *gate_up_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **gate_up_meta)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias = experts.down_bias is not None
     bd = experts.down_bias if has_down_bias else x
     pair_weights = topk_weights.reshape(-1).to(torch.float32)
-    moe_down_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
-        act, act.stride(0), wd, wd.stride(0), wd.stride(1), sd, *sd_strides,
-        bd, bd.stride(0) if has_down_bias else 0, pair_weights, y, y.stride(0),
-        sorted_ids, block_expert, num_pairs, h, i,
-        FORMAT=fmt_d, MX_DOT_SCALED=cfg.mx_dot_scaled, SBN=sdblock[0], SBK=sdblock[1], X_FMT=x_fmt,
-        HAS_BIAS=has_down_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+    down_args = (act, act.stride(0), wd, wd.stride(0), wd.stride(1), sd, *sd_strides,
+                 bd, bd.stride(0) if has_down_bias else 0, pair_weights, y, y.stride(0),
+                 sorted_ids, block_expert, num_pairs, h, i)
+    down_meta = dict(FORMAT=fmt_d, SBN=sdblock[0], SBK=sdblock[1], HAS_BIAS=has_down_bias,
+                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+    if cfg.gemv:
+        moe_down_gemv_kernel[(b_max, triton.cdiv(h, cfg.block_n))](*down_args, SORTED=sorted_pairs, **down_meta)
+    else:
+        moe_down_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
+            *down_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **down_meta)
     block_h = min(1024, triton.next_power_of_2(h))
     moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, out, h, TOP_K=k, BLOCK_H=block_h)
     return out

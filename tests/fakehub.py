@@ -213,7 +213,7 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
 
-CONFIGS = __import__("pathlib").Path(__file__).parent / "data" / "configs"
+from localchat.engine.model_configs import CONFIG_DIR as CONFIGS  # noqa: E402
 
 
 def tiny_checkpoint(config_name: str = "gpt-oss-20b", seed: int = 0) -> dict[str, bytes]:

@@ -11,8 +11,9 @@ import pytest
 from localchat.engine.planner import KvLayout, TensorInfo, WeightBytes
 from localchat.engine.registry import REGISTRY, UnknownModel, resolve
 from localchat.engine.spec import ModelSpec
+from localchat.engine.model_configs import CONFIG_DIR
 
-CONFIGS = Path(__file__).parent / "data" / "configs"
+CONFIGS = CONFIG_DIR
 DTYPE_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1}
 
 

@@ -5,8 +5,9 @@ import pytest
 
 from localchat.engine.spec import ModelSpec, UnsupportedModel
 from localchat.engine.weights.quant_config import UnsupportedQuantization, parse_quant_config
+from localchat.engine.model_configs import CONFIG_DIR
 
-CONFIGS = Path(__file__).parent / "data" / "configs"
+CONFIGS = CONFIG_DIR
 
 
 def load(name):

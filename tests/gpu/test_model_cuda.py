@@ -13,8 +13,9 @@ from localchat.engine.runtime.forward_batch import ForwardBatch
 from localchat.engine.runtime.kv_cache import PagedKVCache
 from localchat.engine.spec import ModelSpec
 from localchat.engine.weights.dummy import dummy_weights, to_device
+from localchat.engine.model_configs import CONFIG_DIR
 
-CONFIGS = Path(__file__).parent.parent / "data" / "configs"
+CONFIGS = CONFIG_DIR
 BLOCK = 16
 
 

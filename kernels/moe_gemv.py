@@ -1,0 +1,174 @@
+"""Decode-size MoE GEMVs: each program streams BLOCK_N weight rows of one expert.
+
+At a handful of (token, expert) pairs per expert the tensor-core tile of moe_gemm.py is mostly
+padding and the MXFP4 dot goes through an upcast, so these kernels read wide contiguous row
+slabs, decode them in registers and reduce against each pair's activation row with FMAs. MXFP4
+scales are applied once per 32-element group after the partial sum, not per element. Weight
+formats and activations are those of moe_gemm.py.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .moe_gemm import _row_scale
+
+
+@triton.jit
+def _e2m1_f32(codes):
+    """E2M1 codes (int32 0..15) -> value * 2^-14 in float32 (fp16 bit placement, see above)."""
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _gemv_chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, pair_ptr, pid_m, num_pairs, top_k,
+                stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SORTED: tl.constexpr,
+                X_BY_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += W[e, n, k0:k0+BLOCK_K] . x_m[k0:k0+BLOCK_K] for the block's pairs."""
+    w_base = w_ptr + e.to(tl.int64) * stride_we + n.to(tl.int64) * stride_wn
+    cols = tl.arange(0, BLOCK_M)
+    if FORMAT == 3:
+        BLOCK_G: tl.constexpr = BLOCK_K // 32
+        g = k0 // 32 + tl.arange(0, BLOCK_G)
+        g_mask = g < K // 32
+        byte = g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [G, 16] offsets inside a weight row
+        m3 = n_mask[:, None, None] & g_mask[None, :, None]
+        packed = tl.load(w_base[:, None, None] + byte[None, :, :], mask=m3, other=0).to(tl.int32)
+        lo = _e2m1_f32(packed & 15)
+        hi = _e2m1_f32(packed >> 4)
+        s_base = s_ptr + e.to(tl.int64) * stride_se + n * stride_sn
+        scale = tl.load(s_base[:, None] + g[None, :] * stride_sk, mask=n_mask[:, None] & g_mask[None, :], other=0)
+        # 2^(s - 127) * 2^14 built from its exponent field (valid for scales <= 240)
+        mult = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+        for m in tl.static_range(BLOCK_M):
+            if SORTED:
+                pair = tl.load(pair_ptr + pid_m * BLOCK_M + m)
+            else:
+                pair = pid_m
+            ok = pair < num_pairs
+            if X_BY_TOKEN:
+                row = (pair // top_k).to(tl.int64)
+            else:
+                row = pair.to(tl.int64)
+            x_row = x_ptr + tl.where(ok, row, 0) * stride_xt + 2 * byte
+            xm = g_mask[:, None] & ok
+            x_even = tl.load(x_row, mask=xm, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_row + 1, mask=xm, other=0.0).to(tl.float32)
+            part = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], axis=2)
+            part = tl.sum(part * mult, axis=1)
+            acc = tl.where(cols[None, :] == m, acc + part[:, None], acc)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = kk < K
+        w = tl.load(w_base[:, None] + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = w.to(tl.float32)
+        if FORMAT == 2:
+            # BLOCK_K divides SBK, so one K step lies inside one scale block
+            s = tl.load(s_ptr + e.to(tl.int64) * stride_se + (n // SBN) * stride_sn + (k0 // SBK) * stride_sk,
+                        mask=n_mask, other=0.0)
+        for m in tl.static_range(BLOCK_M):
+            if SORTED:
+                pair = tl.load(pair_ptr + pid_m * BLOCK_M + m)
+            else:
+                pair = pid_m
+            ok = pair < num_pairs
+            if X_BY_TOKEN:
+                row = (pair // top_k).to(tl.int64)
+            else:
+                row = pair.to(tl.int64)
+            xv = tl.load(x_ptr + tl.where(ok, row, 0) * stride_xt + kk, mask=k_mask & ok, other=0.0)
+            part = tl.sum(w * xv.to(tl.float32)[None, :], axis=1)
+            if FORMAT == 2:
+                part = part * s
+            acc = tl.where(cols[None, :] == m, acc + part[:, None], acc)
+    return acc
+
+
+@triton.jit
+def _block_pairs(pair_ptr, expert_ptr, pid_m, num_pairs, SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """-> (expert, pairs [BLOCK_M], valid [BLOCK_M]). Unsorted: pair pid_m, expert topk_ids[pid_m]."""
+    e = tl.load(expert_ptr + pid_m)
+    if SORTED:
+        pairs = tl.load(pair_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    else:
+        pairs = pid_m + tl.arange(0, BLOCK_M)
+    return e, pairs, pairs < num_pairs
+
+
+@triton.jit
+def moe_gate_up_gemv_kernel(
+        x_ptr, stride_xt,
+        wg_ptr, wu_ptr, stride_we, stride_wn,
+        sg_ptr, su_ptr, stride_se, stride_sn, stride_sk,
+        bg_ptr, bu_ptr, stride_be, stride_bn,
+        out_ptr, stride_ot,
+        pair_ptr, expert_ptr, num_pairs, N, K, top_k, alpha, limit,
+        FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SORTED: tl.constexpr,
+        ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """moe_gate_up_kernel's result by row streaming. SORTED: pairs from moe_align blocks of
+    BLOCK_M; else BLOCK_M must be 1, program m is pair m and expert_ptr is topk_ids flattened."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, pairs, valid = _block_pairs(pair_ptr, expert_ptr, pid_m, num_pairs, SORTED, BLOCK_M)
+    if e < 0:
+        return
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc_g = _gemv_chunk(acc_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x_ptr, pair_ptr, pid_m, num_pairs, top_k,
+                            stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                            FORMAT, SBN, SBK, SORTED, True, BLOCK_M, BLOCK_K)
+        acc_u = _gemv_chunk(acc_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x_ptr, pair_ptr, pid_m, num_pairs, top_k,
+                            stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                            FORMAT, SBN, SBK, SORTED, True, BLOCK_M, BLOCK_K)
+    acc_g = _row_scale(acc_g, sg_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
+    acc_u = _row_scale(acc_u, su_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
+    if HAS_BIAS:
+        b_off = e.to(tl.int64) * stride_be + n * stride_bn
+        acc_g += tl.load(bg_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        acc_u += tl.load(bu_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    if ACT == 0:
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+    else:
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = g * tl.sigmoid(alpha * g) * (u + 1.0)
+    out_ptrs = out_ptr + pairs[None, :].to(tl.int64) * stride_ot + n[:, None]
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[None, :] & n_mask[:, None])
+
+
+@triton.jit
+def moe_down_gemv_kernel(
+        a_ptr, stride_at,
+        w_ptr, stride_we, stride_wn,
+        s_ptr, stride_se, stride_sn, stride_sk,
+        b_ptr, stride_be,
+        pair_weights_ptr, out_ptr, stride_ot,
+        pair_ptr, expert_ptr, num_pairs, N, K,
+        FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SORTED: tl.constexpr,
+        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """moe_down_kernel's result by row streaming (pairs as in moe_gate_up_gemv_kernel)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, pairs, valid = _block_pairs(pair_ptr, expert_ptr, pid_m, num_pairs, SORTED, BLOCK_M)
+    if e < 0:
+        return
+    rows = tl.where(valid, pairs, 0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc = _gemv_chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, a_ptr, pair_ptr, pid_m, num_pairs, 1,
+                          stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                          FORMAT, SBN, SBK, SORTED, False, BLOCK_M, BLOCK_K)
+    acc = _row_scale(acc, s_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    gate = tl.load(pair_weights_ptr + rows, mask=valid, other=0.0)
+    acc = acc * gate[None, :]
+    tl.store(out_ptr + rows[None, :] * stride_ot + n[:, None], acc, mask=valid[None, :] & n_mask[:, None])
