@@ -62,9 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(run)
     run.set_defaults(func=cmd_run)
 
+    from .bench import add_bench_command
     from .model_commands import add_model_commands
 
     add_model_commands(sub)
+    add_bench_command(sub)
     return parser
 
 

@@ -11,5 +11,5 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 timeout "${KERNEL_TESTS_S:-130}" python3 -m pytest -m gpu tests/kernels -q -s -p no:cacheprovider 2>&1 | tee "$OUT/kernels_gpu.log" | tail -40
 timeout "${MODEL_TESTS_S:-120}" python3 -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/model_gpu.log" | tail -30
 timeout "${RUNTIME_TESTS_S:-60}" python3 -m pytest -m gpu tests/runtime -q -s -p no:cacheprovider 2>&1 | tee "$OUT/runtime_gpu.log" | tail -15
-timeout "${DECODE_S:-170}" python3 bench/bench_decode.py ${DECODE_ARGS:---gen-len 32} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -30
+timeout "${DECODE_S:-170}" python3 bench/bench_decode.py ${DECODE_ARGS:-gpt-oss-20b,gpt-oss-120b,glm-4.5v-fp8 --dummy --gen-len 32} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -30
 timeout "${BENCH_S:-100}" python3 bench/bench_kernels.py ${BENCH_ARGS:---sweep} 2>&1 | tee "$OUT/bench.log" | tail -60
