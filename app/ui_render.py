@@ -7,6 +7,7 @@ from; edit and retry events carry chatbot indices and map them back through it.
 from __future__ import annotations
 
 from localchat.app.history import DONE, ERROR, INTERRUPTED, PARTIAL, STOPPED, History, StoredMessage
+from localchat.app.ui_boxes import boxes_message, label_answer
 from localchat.engine.runtime.request import Final, ModelInfo
 
 
@@ -19,8 +20,12 @@ def render(messages: list[StoredMessage], history: History) -> tuple[list[dict],
         out.append(msg)
         positions.append(pos)
 
+    turn_images: list[str] = []  # images of the user turn the next answer replies to
+    earlier_images: list[str] = []  # images of the user turns before that one
     for m in messages:
         if m.role == "user":
+            earlier_images += turn_images
+            turn_images = list(m.images)
             content: list = [{"path": str(history.image_path(s))} for s in m.images]
             if m.text:
                 content.append(m.text)
@@ -35,8 +40,13 @@ def render(messages: list[StoredMessage], history: History) -> tuple[list[dict],
             if m.stats.get("thinking_s"):
                 meta["duration"] = round(m.stats["thinking_s"], 1)
             add({"role": "assistant", "content": m.reasoning, "metadata": meta}, m.position)
-        if m.text or not m.reasoning:
-            add({"role": "assistant", "content": m.text or ("…" if live else "(no answer)")}, m.position)
+        text, boxes = label_answer(m.text, live=live)
+        if text or not m.reasoning:
+            add({"role": "assistant", "content": text or ("…" if live else "(no answer)")}, m.position)
+        # Drawn once the answer is complete: mid-stream the box list is still growing.
+        drawn = None if live else boxes_message(history, boxes, turn_images, earlier_images)
+        if drawn is not None:
+            add(drawn, m.position)
         if not live:
             summary, details = status_line(m)
             add({"role": "assistant", "content": details, "metadata": {"title": summary, "status": "done"}},

@@ -53,7 +53,9 @@ def _gemv_chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, pair_ptr, pid_m, 
             else:
                 row = pair.to(tl.int64)
             x_row = x_ptr + tl.where(ok, row, 0) * stride_xt + 2 * byte
-            xm = g_mask[:, None] & ok
+            # The row check is broadcast as a tensor: Triton 3.9's interpreter rejects a mask
+            # made of a tensor and a scalar condition.
+            xm = g_mask[:, None] & ((byte * 0 + pair) < num_pairs)
             x_even = tl.load(x_row, mask=xm, other=0.0).to(tl.float32)
             x_odd = tl.load(x_row + 1, mask=xm, other=0.0).to(tl.float32)
             part = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], axis=2)
@@ -78,7 +80,7 @@ def _gemv_chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, pair_ptr, pid_m, 
                 row = (pair // top_k).to(tl.int64)
             else:
                 row = pair.to(tl.int64)
-            xv = tl.load(x_ptr + tl.where(ok, row, 0) * stride_xt + kk, mask=k_mask & ok, other=0.0)
+            xv = tl.load(x_ptr + tl.where(ok, row, 0) * stride_xt + kk, mask=k_mask & ((kk * 0 + pair) < num_pairs), other=0.0)
             part = tl.sum(w * xv.to(tl.float32)[None, :], axis=1)
             if FORMAT == 2:
                 part = part * s
