@@ -165,7 +165,7 @@ def build_demo(out: Path, seed: int = 0) -> None:
     _write_shards(out, tensors)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation)
-    _write_json(out / "preprocessor_config.json", _preprocessor_config())
+    _write_json(out / "preprocessor_config.json", preprocessor_config())
     save_tokenizer(tok, out, GLM_CHAT_TEMPLATE, eos="<|endoftext|>", pad="<|endoftext|>",
                    extra_config={"processor_class": "Glm4vProcessor"})
 
@@ -195,8 +195,9 @@ def _config(ids: dict[str, int], eos: list[int]) -> dict:
     }
 
 
-def _preprocessor_config() -> dict:
-    """Glm4vImageProcessor with small pixel limits (at most 224x224 pixels: 64 image tokens)."""
+def preprocessor_config() -> dict:
+    """Glm4vImageProcessor with small pixel limits (at most 224x224 pixels: 64 image tokens; a
+    64x48 image becomes a 56x56 grid, 4 tokens)."""
     return {
         "image_processor_type": "Glm4vImageProcessor", "processor_class": "Glm4vProcessor",
         "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
