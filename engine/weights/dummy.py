@@ -15,10 +15,6 @@ from .schema import LinearModule, Mxfp4Experts, PlainTensor, TransposedExperts, 
 FP8_MAX = 448.0
 
 
-def _module(out_name: str) -> str:
-    return out_name.rsplit(".", 1)[0]
-
-
 def _normal(shape, std: float, device, dtype, gen) -> torch.Tensor:
     return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
 

@@ -89,6 +89,3 @@ class Mxfp4Weight:
 
 LinearWeight = DenseWeight | Fp8Weight | Mxfp4Weight
 
-
-def dequantize(w: LinearWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return w.dequantize(dtype)
