@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="chat through an OpenAI-compatible server (vLLM, SGLang, localchat) at URL, "
                              "e.g. http://host:8000/v1, instead of loading a model here")
     parser.add_argument("--backend-key", default=None, metavar="KEY", help="bearer key the --backend server wants")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--host", "--listen", dest="host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1; any other needs --auth and --api-key)")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--auth", default=None, metavar="USER:PASSWORD", help="required to listen beyond localhost")
     parser.add_argument("--api-key", default=None, help="bearer key for /v1; required to listen beyond localhost")
@@ -211,8 +212,12 @@ def _default_model() -> str:
 
 def cmd_serve(args) -> int:
     from .demo import DEMO_NAME, DEMO_NOTE
-    from .ui import serve
+    from .ui import is_loopback, serve
 
+    if not is_loopback(args.host) and not (args.auth and args.api_key):
+        # Checked before a model loads, so the refusal comes at once.
+        raise UserError(f"listening on {args.host} exposes your chats to the network: pass --auth USER:PASSWORD "
+                        "(for the page) and --api-key KEY (for /v1), or keep the default 127.0.0.1")
     if args.backend:
         from .remote import RemoteEngine
 

@@ -63,3 +63,9 @@ def test_run_errors_are_one_line(tmp_path):
     broken = run_cli("run", incomplete, "--prompt", "hi")
     assert broken.returncode != 0 and "model-00001-of-00002.safetensors" in broken.stderr
     assert "Traceback" not in broken.stderr
+
+
+def test_listening_beyond_localhost_needs_auth_and_a_key():
+    out = run_cli("--listen", "0.0.0.0", "--model", "demo", "--no-browser", timeout=60)
+    assert out.returncode == 2 and "--auth" in out.stderr and "--api-key" in out.stderr
+    assert "Traceback" not in out.stderr
