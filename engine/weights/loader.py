@@ -176,3 +176,58 @@ class _Transposed(_Builder):
 def _builder(o: PlannedOutput, plan: LoadPlan, device, dtype) -> _Builder:
     kind = {PlainTensor: _Plain, LinearModule: _Linear, Mxfp4Experts: _Mxfp4, TransposedExperts: _Transposed}
     return kind[type(o.entry)](o, plan, device, dtype)
+
+
+_FLOAT_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def load_weights_slice(path: str | Path, spec: ModelSpec, shard: dict, *, device: str | torch.device = "cpu",
+                       dtype: torch.dtype | None = None, on_progress: ProgressFn | None = None,
+                       model_id: str | None = None, strict: bool = True) -> Weights:
+    """load_weights for one tensor-parallel rank: only the index ranges that `shard` (from
+    engine.parallel.slicing.shard_plan) gives this rank are read, through safetensors get_slice,
+    so a rank reads about 1/tp of the expert and attention bytes. The result equals
+    slice_weights(load_weights(path, spec, ...), shard). on_progress(done, total, file) counts the
+    bytes actually read; `total` is the whole checkpoint's.
+    """
+    import dataclasses
+
+    from ..parallel.slicing import held_experts, stored_index
+
+    plan = check_checkpoint(path, spec, model_id=model_id, strict=strict)
+    device = torch.device(device)
+    outputs = []
+    for o in plan.outputs:
+        s = shard[o.entry.out]
+        experts = held_experts(o, s)
+        if experts is not None:  # whole experts: keep theirs only, renumbered from 0
+            entry = dataclasses.replace(o.entry, sources=o.entry.sources[experts.start:experts.stop])
+            parts = tuple(dataclasses.replace(p, expert=p.expert - experts.start)
+                          for p in o.parts if p.expert in experts)
+            o = dataclasses.replace(o, entry=entry, parts=parts)
+        outputs.append((o, s))
+    builders = [_builder(o, plan, device, dtype) for o, _ in outputs]
+    by_file: dict[Path, list] = {}
+    for b, (o, s) in zip(builders, outputs):
+        for p in o.parts:
+            by_file.setdefault(p.info.file, []).append((p, b, o, s))
+    done = 0
+    for file in sorted(by_file):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for part, builder, o, s in sorted(by_file[file], key=lambda x: x[0].info.begin):
+                    if s.zeros:  # a bias that only rank 0 adds
+                        t = torch.zeros(part.info.shape, dtype=_FLOAT_TORCH[part.info.dtype])
+                    else:
+                        index = stored_index(o, part, s, plan.block_size)
+                        t = f.get_tensor(part.info.name) if index is None else f.get_slice(part.info.name)[index]
+                        done += t.numel() * t.element_size()
+                    builder.put(part, t)
+                    if on_progress is not None:
+                        on_progress(done, plan.total_bytes, file)
+        except SafetensorError as e:
+            raise CheckpointError(f"{file} cannot be read ({e}). {redownload_hint(model_id)}", file=file) from e
+    out: Weights = {}
+    for b in builders:
+        out.update(b.finish())
+    return out
