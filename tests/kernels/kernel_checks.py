@@ -6,6 +6,13 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
+def random_routing(t: int, e: int, k: int):
+    """Routing weights [T, k] (positive, summing to 1) and k distinct expert ids [T, k] per token."""
+    ids = torch.stack([torch.randperm(e, device=DEV)[:k] for _ in range(t)]).to(torch.int32)
+    w = torch.rand(t, k, device=DEV) + 0.1
+    return w / w.sum(-1, keepdim=True), ids
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; NaN or inf anywhere in out gives inf."""
     out, ref = out.double().cpu(), ref.double().cpu()

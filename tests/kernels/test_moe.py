@@ -2,19 +2,12 @@
 import pytest
 import torch
 
-from kernel_checks import cuda_time_us, quantize_fp8_blocks, quantize_fp8_rows, random_mxfp4, rel_err
+from kernel_checks import DEV, random_routing, cuda_time_us, quantize_fp8_blocks, quantize_fp8_rows, random_mxfp4, rel_err
 from localchat.engine.weights.formats import DenseWeight, Fp8Weight, Mxfp4Weight
 from localchat.kernels.moe import MoeConfig, MoeExperts, fused_moe, fused_moe_ref, gpt_oss_experts, split_gate_up
 from localchat.kernels.moe_routing import route_glm, route_gpt_oss
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-
-
-def _routing(t, e, k):
-    ids = torch.stack([torch.randperm(e, device=DEV)[:k] for _ in range(t)]).to(torch.int32)
-    w = torch.rand(t, k, device=DEV) + 0.1
-    return w / w.sum(-1, keepdim=True), ids
 
 
 def _glm_weights(fmt, e, i, h, dtype):
@@ -38,7 +31,7 @@ def test_glm_experts(fmt, dtype, t):
     gate, up, down = _glm_weights(fmt, e, i, h, dtype)
     experts = MoeExperts(gate, up, down)
     x = torch.randn(t, h, device=DEV, dtype=dtype)
-    w, ids = _routing(t, e, k)
+    w, ids = random_routing(t, e, k)
     out = fused_moe(x, experts, w, ids)
     ref = fused_moe_ref(x, experts, w, ids)
     assert out.shape == (t, h) and out.dtype == dtype
