@@ -21,14 +21,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     A query at position p sees keys j <= p (and p - window < j with a window); a sink adds
     exp(sinks[h]) to head h's softmax denominator without a value."""
     on_gpu = q.is_cuda
-    tables, lens = batch.block_tables.to(torch.int32), batch.context_lens.to(torch.int32)
+    tables, lens = batch.block_tables, batch.context_lens
     if batch.is_decode:
         decode = paged_decode_attention if on_gpu else paged_decode_attention_ref
         return decode(q, k_cache, v_cache, tables, lens, scale, sinks, window)
     starts = batch.query_start_host
     longest = max(b - a for a, b in zip(starts, starts[1:]))
     prefill = paged_prefill_attention if on_gpu else paged_prefill_attention_ref
-    return prefill(q, k_cache, v_cache, tables, lens, batch.query_start.to(torch.int32), longest, scale, sinks, window)
+    return prefill(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks, window)
 
 
 class SelfAttention:

@@ -15,10 +15,10 @@ import torch
 class ForwardBatch:
     """
     rope_positions: [T] (1-D rotary) or [3, T] (M-RoPE) angle positions of the new tokens.
-    slot_mapping:   [T] cache slot receiving each new token's K/V.
-    query_start:    [B + 1] offsets of each sequence's new tokens in the packed axis.
-    context_lens:   [B] tokens each sequence has in the cache after this step (new ones included).
-    block_tables:   [B, max_blocks] block ids of each sequence, padded with 0.
+    slot_mapping:   [T] int64 cache slot receiving each new token's K/V.
+    query_start:    [B + 1] int32 offsets of each sequence's new tokens in the packed axis.
+    context_lens:   [B] int32 tokens each sequence has in the cache after this step (new ones included).
+    block_tables:   [B, max_blocks] int32 block ids of each sequence, padded with 0.
     query_start_host, context_lens_host: the same as Python lists, for the torch reference path
         and for host-side planning (never read inside captured graphs).
     """
@@ -51,6 +51,7 @@ class ForwardBatch:
             lens.append(cached + new)
         width = max(len(t) for t, _, _ in seqs)
         tables = [t + [0] * (width - len(t)) for t, _, _ in seqs]
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(rope_positions.to(device), as_tensor(slots), as_tensor(starts), as_tensor(lens),
-                   as_tensor(tables), starts, lens)
+        # int32 is what the attention kernels read; slots stay int64 for index_copy_.
+        as_int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+        return cls(rope_positions.to(device), torch.tensor(slots, dtype=torch.int64, device=device),
+                   as_int32(starts), as_int32(lens), as_int32(tables), starts, lens)
