@@ -19,12 +19,13 @@ import torch
 
 from ..spec import ModelSpec
 from .block_pool import BlockPool
+from .decode_graphs import DecodeGraphs
 from .kv_budget import plan_num_blocks
 from .kv_cache import PagedKVCache
 from .prefix_cache import image_spans
 from .prompt import ChatFormatter
 from .request import ChatRequest, Final, ModelInfo, Timings
-from .sampling import Sampler
+from .sampling import Sampler, sample_tokens
 from .scheduler import Scheduler
 from .sequence import EngineStream, Sequence, Status
 from .step_runner import StepRunner
@@ -52,7 +53,8 @@ class Engine:
     """Serving options (keyword-only): block_size tokens per KV block; num_blocks or max_kv_tokens
     size the KV pool (default: the GPU memory left after the weights, or 16k tokens on CPU);
     max_batch_tokens is the per-step token budget (prefill chunk size); max_running caps the
-    sequences decoded together."""
+    sequences decoded together. cuda_graphs (default: on for CUDA) replays decode steps from
+    captured graphs; each batch-size bucket is captured on first use, or all by `warmup()`."""
 
     def __init__(self, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto",
                  max_context: int | None = None, on_progress=None, name: str | None = None, **serving):
@@ -84,7 +86,7 @@ class Engine:
     def _setup(self, spec, model, formatter, device, dtype, name, max_context, weights_bytes, *,
                block_size: int = 16, num_blocks: int | None = None, max_kv_tokens: int | None = None,
                max_batch_tokens: int | None = None, max_running: int = 64,
-               kv_headroom_bytes: int | None = None) -> None:
+               kv_headroom_bytes: int | None = None, cuda_graphs: bool | None = None) -> None:
         self.spec, self.model, self.formatter = spec, model, formatter
         self.device, self.dtype, self.name = device, dtype, name
         self.weights_bytes = weights_bytes
@@ -94,15 +96,21 @@ class Engine:
         n = plan_num_blocks(spec, dtype, device, block_size, max_context=self.max_context,
                             max_batch_tokens=self.max_batch_tokens, max_running=max_running,
                             num_blocks=num_blocks, max_kv_tokens=max_kv_tokens, headroom_bytes=kv_headroom_bytes)
-        self.cache = PagedKVCache(spec.num_layers, n, block_size, spec.num_kv_heads, spec.head_dim, dtype, device)
+        # One block beyond the pool: the scratch block that padded rows of a graph step write to.
+        self.cache = PagedKVCache(spec.num_layers, n + 1, block_size, spec.num_kv_heads, spec.head_dim, dtype, device)
         self.pool = BlockPool(n)
         self.scheduler = Scheduler(self.pool, block_size, self.max_batch_tokens, max_running)
-        self.runner = StepRunner(model, self.cache, device, dtype)
+        graphs = None
+        if cuda_graphs if cuda_graphs is not None else device.type == "cuda":
+            graphs = DecodeGraphs(model, self.cache, dtype, device, max_batch=max_running,
+                                  max_blocks=-(-self.context_limit // block_size), scratch_block=n,
+                                  mrope=spec.family == "glm4v_moe")
+        self.runner = StepRunner(model, self.cache, device, dtype, graphs)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", n, block_size,
                  self.cache.k.numel() * self.cache.k.element_size() * 2 / 2**30)
         self._ids = itertools.count()
         self._format_lock = threading.Lock()
-        self._inbox: queue.Queue[Sequence | None] = queue.Queue()
+        self._inbox: queue.Queue = queue.Queue()  # Sequence, a callable for the engine thread, or None
         self._stopped = False
         self._worker = threading.Thread(target=self._run, name="localchat-engine", daemon=True)
         self._worker.start()
@@ -138,10 +146,33 @@ class Engine:
         self._inbox.put(seq)
         return stream
 
+    def warmup(self) -> float:
+        """Captures the decode graph of every batch-size bucket now (a server does this before its
+        first request, so no chat waits for a capture). Returns the seconds it took."""
+        graphs = self.runner.graphs
+        if graphs is None or not graphs.capture:
+            return 0.0
+        done, failure = threading.Event(), []
+
+        def capture() -> None:  # runs on the engine thread, which owns the GPU work
+            try:
+                graphs.capture_all()
+            except Exception as e:
+                failure.append(e)
+            finally:
+                done.set()
+
+        self._inbox.put(capture)
+        done.wait()
+        if failure:
+            raise RuntimeError(f"capturing the decode graphs failed ({failure[0]}); start with CUDA graphs "
+                               "off to run decode steps eagerly") from failure[0]
+        return graphs.capture_seconds
+
     def counters(self) -> dict[str, int]:
         """Running totals for tests and benchmarks."""
         c = self.runner.counters
-        return {"steps": c.steps, "computed_tokens": c.computed_tokens, "images_encoded": c.images_encoded,
+        return {"steps": c.steps, "graph_steps": c.graph_steps, "computed_tokens": c.computed_tokens, "images_encoded": c.images_encoded,
                 "images_skipped": c.images_skipped, "preemptions": self.scheduler.preemptions,
                 "prefix_hit_tokens": self.scheduler.prefix_hit_tokens, "evictions": self.pool.evictions,
                 "free_blocks": self.pool.num_free, "num_blocks": self.pool.num_blocks}
@@ -196,6 +227,9 @@ class Engine:
                 return True
             if seq is None:
                 return False
+            if callable(seq):  # work that must run on the engine thread (warmup)
+                seq()
+                continue
             self.scheduler.add(seq)
             block = False
 
@@ -232,20 +266,35 @@ class Engine:
             if seq is not None:
                 self._finish(seq, "abort")
 
+    def _sample(self, sampling: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
+        """One token per sequence, all rows at once; if that fails, row by row so only the
+        request whose settings broke it gets the error."""
+        contexts = [seq.penalty_context(logits.device) for seq in sampling]
+        try:
+            return sample_tokens(logits, [seq.sampler for seq in sampling], contexts)
+        except Exception:
+            out: list[int | Exception] = []
+            for row, seq in enumerate(sampling):
+                try:
+                    out += sample_tokens(logits[row:row + 1], [seq.sampler], [contexts[row]])
+                except Exception as e:  # e.g. sampling settings that leave no token
+                    log.exception("sampling failed")
+                    out.append(e)
+            return out
+
     def _step(self, plan: list[tuple[Sequence, int]]) -> None:
         sampling, logits = self.runner.run(plan)
         done = time.perf_counter()
         self.scheduler.commit(plan)
-        for row, seq in enumerate(sampling):
+        if not sampling:
+            return
+        for seq, token in zip(sampling, self._sample(sampling, logits)):
             if seq.clock.prefill_done is None:
                 seq.clock.prefill_done = done
-            try:
-                token = seq.sampler(logits[row], seq.penalty_context(logits.device))
-                reason = seq.append_token(token)
-            except Exception as e:  # e.g. sampling settings that leave no token: this request only
-                log.exception("sampling failed")
-                self._finish(seq, "error", f"{type(e).__name__}: {e}")
+            if isinstance(token, Exception):
+                self._finish(seq, "error", f"{type(token).__name__}: {token}")
                 continue
+            reason = seq.append_token(token)
             if reason is not None:
                 self._finish(seq, reason)
 
