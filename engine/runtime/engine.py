@@ -146,11 +146,16 @@ class Engine:
         self._inbox.put(seq)
         return stream
 
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        graphs = self.runner.graphs
+        return graphs is not None and graphs.capture
+
     def warmup(self) -> float:
         """Captures the decode graph of every batch-size bucket now (a server does this before its
         first request, so no chat waits for a capture). Returns the seconds it took."""
         graphs = self.runner.graphs
-        if graphs is None or not graphs.capture:
+        if not self.uses_cuda_graphs:
             return 0.0
         done, failure = threading.Event(), []
 
