@@ -8,7 +8,7 @@ from ..layers.attention import SelfAttention
 from ..layers.linear import linear
 from ..layers.mlp import GatedMLP
 from ..layers.moe import MoeBlock
-from ..layers.norm import rms_norm
+from ..layers.norm import add_rms_norm
 from ..layers.rotary import RotaryEmbedding
 from ..spec import ModelSpec
 from .glm4v_vision import Glm4vVisionTower
@@ -61,10 +61,13 @@ class Glm4vMoeModel:
         """h [T, hidden] packed over the ForwardBatch's sequences -> final hidden states [T, hidden]."""
         eps = self.spec.rms_norm_eps
         cos, sin = self.rotary.cos_sin(batch.rope_positions, h.dtype)
+        # The residual stream runs beside the layers; each norm also adds the previous block's output.
+        out, residual = h, None
         for in_norm, attn, post_norm, mlp in self.layers:
-            h = h + attn(rms_norm(h, in_norm, eps), cos, sin, batch, cache)
-            h = h + mlp(rms_norm(h, post_norm, eps))
-        return rms_norm(h, self.norm, eps)
+            x, residual = add_rms_norm(out, residual, in_norm, eps)
+            x, residual = add_rms_norm(attn(x, cos, sin, batch, cache), residual, post_norm, eps)
+            out = mlp(x)
+        return add_rms_norm(out, residual, self.norm, eps)[0]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return linear(h, self.lm_head).to(torch.float32)
