@@ -131,10 +131,17 @@ def make_engine(spec: ModelSpec, model, weights_bytes: int, prompt_len: int, gen
 
 
 def measure_batch(engine, spec, weights, batch: int, prompt_len: int, gen_len: int) -> dict:
+    """`batch` concurrent requests. The step time is that of the decode steps in which all of them
+    ran (prefill chunks of the later requests, and the tail as streams finish, are left out);
+    it includes sampling and streaming the text."""
+    before = engine.decode_step_times().get(batch, (0, 0.0))
     streams = [engine.submit(_request(gen_len)) for _ in range(batch)]
     finals = _finals(streams)
-    per_stream = sum(f.timings.decode_tokens_per_s for f in finals) / batch
-    step_s = 1 / per_stream
+    steps, seconds = engine.decode_step_times().get(batch, (0, 0.0))
+    if steps == before[0]:
+        raise RuntimeError(f"no decode step ran all {batch} requests together; raise --gen-len")
+    step_s = (seconds - before[1]) / (steps - before[0])
+    per_stream = 1 / step_s
     by = step_bytes(spec, weights, batch, prompt_len + gen_len // 2)
     floor = by / COPY_CEILING
     return dict(batch=batch, prompt_len=prompt_len, gen_len=gen_len,

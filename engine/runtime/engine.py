@@ -182,6 +182,11 @@ class Engine:
                 "prefix_hit_tokens": self.scheduler.prefix_hit_tokens, "evictions": self.pool.evictions,
                 "free_blocks": self.pool.num_free, "num_blocks": self.pool.num_blocks}
 
+    def decode_step_times(self) -> dict[int, tuple[int, float]]:
+        """Batch size -> (decode steps replayed from a graph, their total seconds including
+        sampling and streaming): the steady-state step time at each batch size."""
+        return dict(self.runner.counters.decode_by_batch)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the engine thread; requests still in flight end with Final("abort")."""
         self._stopped = True
@@ -288,6 +293,14 @@ class Engine:
             return out
 
     def _step(self, plan: list[tuple[Sequence, int]]) -> None:
+        start, graph_steps = time.perf_counter(), self.runner.counters.graph_steps
+        try:
+            self._run_and_stream(plan)
+        finally:
+            if self.runner.counters.graph_steps > graph_steps:
+                self.runner.counters.record_decode(len(plan), time.perf_counter() - start)
+
+    def _run_and_stream(self, plan: list[tuple[Sequence, int]]) -> None:
         sampling, logits = self.runner.run(plan)
         done = time.perf_counter()
         self.scheduler.commit(plan)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,12 @@ class StepCounters:
     computed_tokens: int = 0  # tokens fed to the model (prefill and decode)
     images_encoded: int = 0
     images_skipped: int = 0  # images wholly inside reused prefix blocks
+    # batch size -> (graph decode steps, their seconds from launch to streamed tokens)
+    decode_by_batch: dict[int, tuple[int, float]] = field(default_factory=dict)
+
+    def record_decode(self, batch: int, seconds: float) -> None:
+        steps, total = self.decode_by_batch.get(batch, (0, 0.0))
+        self.decode_by_batch[batch] = (steps + 1, total + seconds)
 
 
 def _sync(device: torch.device) -> None:
