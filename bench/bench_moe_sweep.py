@@ -1,13 +1,14 @@
 """Sweep MoE kernel configs at decode sizes on one GPU and print GB/s against the copy ceiling.
 
-    python bench/bench_moe_sweep.py [--ts 1,8,32]
+    python bench/bench_moe_sweep.py [--ts 1,8,32] [--only mxfp4,fp8_channel,fp8_block] [--tile]
 
 Cases: gpt-oss-120b MXFP4 (E=128, k=4, H=I=2880), GLM-4.5V FP8 channel and 128x128-block
 (E=128, k=8, H=4096, I=1408), random weights. Each timing is a CUDA graph of 20 fused_moe calls,
 each with its own routing (so consecutive calls read different experts and the 50 MB L2 does
 not serve the next call's weights), median of 10 replays. Bytes: the selected experts' weights
 and scales, averaged over the 20 routings. Every candidate's output is checked against the
-default config's output before it is timed.
+previous default's (the per-chunk-reduction row kernel) before it is timed, and the table is
+rewritten to $OUT/moe_sweep.md after every row. Candidates: NEW_CANDIDATES below.
 """
 from __future__ import annotations
 
@@ -28,12 +29,28 @@ from localchat.kernels.moe_routing import route_glm, route_gpt_oss  # noqa: E402
 COPY_CEILING_GBS = 4270.0  # measured device-to-device copy on one H200 (DESIGN.md)
 CALLS = 20
 
-# (block_n, block_k, num_warps, num_stages) of the row-streaming kernels tried at T=1
-GEMV_MXFP4 = [(8, 512, 4, 1), (16, 256, 4, 1), (16, 512, 4, 1), (16, 512, 4, 3), (16, 1024, 8, 1),
-              (32, 512, 8, 1), (8, 1024, 4, 1), (32, 256, 4, 1)]
-GEMV_FP8 = GEMV_MXFP4
-QUICK_MXFP4 = [(8, 512, 4, 1), (16, 256, 4, 1), (8, 1024, 4, 1), (4, 512, 4, 1), (8, 256, 2, 1)]
-GEMV_FP8_BLOCK = [(8, 128, 4, 1), (16, 128, 4, 1), (32, 128, 4, 1), (16, 128, 4, 3)]
+# (block_m, block_n, block_k, num_warps) of the new row kernels tried per token count:
+# MXFP4 word decode (mx_words) and dense/FP8 elementwise accumulators (wide_acc); block_m > 1
+# groups each expert's pairs through moe_align so its weights are decoded/read once.
+NEW_CANDIDATES = {
+    "mxfp4": {
+        1: [(1, 32, 512, 4), (1, 16, 512, 2), (1, 16, 256, 2), (1, 32, 256, 4), (1, 64, 512, 8), (1, 8, 512, 1)],
+        8: [(1, 32, 512, 4), (1, 16, 512, 2), (1, 16, 256, 2), (2, 16, 512, 4)],
+        32: [(1, 32, 512, 4), (1, 16, 512, 2), (2, 16, 512, 4), (4, 16, 512, 4), (4, 8, 512, 2)],
+    },
+    "fp8_channel": {
+        1: [(1, 16, 256, 4), (1, 32, 256, 4), (1, 16, 512, 4), (1, 8, 512, 2), (1, 32, 128, 4)],
+        8: [(1, 16, 256, 4), (1, 32, 256, 4), (1, 16, 512, 4)],
+        32: [(1, 16, 256, 4), (1, 32, 256, 4), (2, 16, 256, 4), (2, 8, 256, 2)],
+    },
+    "fp8_block": {
+        1: [(1, 16, 256, 4), (1, 32, 256, 4), (1, 16, 512, 4), (1, 8, 512, 2), (1, 32, 128, 4)],
+        8: [(1, 16, 256, 4), (1, 32, 256, 4), (1, 16, 512, 4)],
+        32: [(1, 16, 256, 4), (1, 32, 256, 4), (2, 16, 256, 4), (2, 8, 256, 2)],
+    },
+}
+# the per-chunk-reduction gemv with a K step over two 128-wide FP8 scale blocks
+OLD_WIDE_K = {"fp8_block": [(1, 16, 256, 4)]}
 
 
 def make_case(fmt, e, h, i):
@@ -100,14 +117,16 @@ def line(name, t, label, us, nbytes, err):
     return text
 
 
-def sweep_case(name, fmt, e, k, h, i, ts, rows, quick):
+def new_config(fmt, bm, bn, bk, nw):
+    if fmt == "mxfp4":
+        return MoeConfig(bm, bn, bk, nw, 1, gemv=True, mx_words=True)
+    return MoeConfig(bm, bn, bk, nw, 1, gemv=True, wide_acc=True)
+
+
+def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile):
     experts = make_case(fmt, e, h, i)
     per_expert = expert_bytes(experts)
     fmt_code = {"mxfp4": 3, "fp8_channel": 1, "fp8_block": 2}[fmt]
-    grid = {"mxfp4": GEMV_MXFP4, "fp8_channel": GEMV_FP8, "fp8_block": GEMV_FP8_BLOCK}[fmt]
-    if quick:  # the defaults' neighbourhood only: MXFP4 candidates, FP8 defaults
-        grid = QUICK_MXFP4 if fmt == "mxfp4" else []
-    ranked: list[tuple[float, tuple]] = []
     for t in ts:
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
         routings = []
@@ -115,70 +134,76 @@ def sweep_case(name, fmt, e, k, h, i, ts, rows, quick):
             logits = torch.randn(t, e, device="cuda")
             routings.append(route_gpt_oss(logits, k) if fmt == "mxfp4" else route_glm(logits, None, k))
         nbytes = per_expert * sum(ids.unique().numel() for _, ids in routings) / CALLS
-        # the tensor-core tile default these sizes had before the row-streaming kernels
-        old = MoeConfig(16, 32, 256 if fmt == "mxfp4" else 128, 4, 4)
-        ref = fused_moe(x, experts, *routings[0], config=old)
-        results = []
-        res = time_config(x, experts, routings, old, ref)
-        if res:
-            rows.append(line(name, t, f"tile {old.block_m}x{old.block_n}x{old.block_k} w{old.num_warps} s{old.num_stages}",
-                             res[0], nbytes, res[1]))
+        # errors are against the per-chunk-reduction gemv default (the previous default)
         cur = default_config(t * k, e, fmt_code, True, 2)
-        if cur.gemv:
-            res = time_config(x, experts, routings, cur, ref)
-            if res:
-                rows.append(line(name, t, "current default: " + _label(cur), res[0], nbytes, res[1]))
-        if t == ts[0]:
-            cands = [MoeConfig(1, bn, bk, nw, ns, gemv=True) for bn, bk, nw, ns in grid]
-        else:
-            top = [c for _, c in sorted(ranked, key=lambda r: r[0])[:2 if quick else 3]]
-            cands = [MoeConfig(bm, c.block_n, c.block_k, c.num_warps, c.num_stages, gemv=True)
-                     for c in top for bm in ((1,) if quick else (1, 2, 4))]
-        for cfg in cands:
+        prev = MoeConfig(1, {"mxfp4": 8, "fp8_channel": 16, "fp8_block": 32}[fmt],
+                         {"mxfp4": 512, "fp8_channel": 256, "fp8_block": 128}[fmt], 4, 1, gemv=True)
+        ref = fused_moe(x, experts, *routings[0], config=prev)
+        cands = [("previous default: " + _label(prev), prev)]
+        if cur != prev:
+            cands.append(("current default: " + _label(cur), cur))
+        if with_tile:
+            tile = MoeConfig(16, 32, 256 if fmt == "mxfp4" else 128, 4, 4)
+            cands.append((_label(tile), tile))
+        for bm, bn, bk, nw in OLD_WIDE_K.get(fmt, []):
+            cfg = MoeConfig(bm, bn, bk, nw, 1, gemv=True)
+            cands.append((_label(cfg), cfg))
+        for spec in NEW_CANDIDATES[fmt].get(t, NEW_CANDIDATES[fmt][32]):
+            cfg = new_config(fmt, *spec)
+            cands.append((_label(cfg), cfg))
+        results = []
+        for label, cfg in cands:
             res = time_config(x, experts, routings, cfg, ref)
             if res is None:
                 continue
-            results.append((res[0], cfg))
-            rows.append(line(name, t, _label(cfg), res[0], nbytes, res[1]))
-        if t == ts[0]:
-            ranked = results
-        if not results:
-            continue
-        best = min(results, key=lambda r: r[0])
-        print(f"    best {name} T={t}: {_label(best[1])} {best[0]:.1f} us", flush=True)
+            results.append((res[0], label))
+            rows.append(line(name, t, label, res[0], nbytes, res[1]))
+            _flush(rows)
+        if results:
+            best = min(results)
+            print(f"    best {name} T={t}: {best[1]} {best[0]:.1f} us", flush=True)
     del experts
     torch.cuda.empty_cache()
 
 
+HEADER = ("| case | T | config | us | MB | GB/s | % copy | rel err vs previous default |\n"
+          "|---|---|---|---|---|---|---|---|")
+
+
+def _flush(rows):
+    """Rewrite $OUT/moe_sweep.md after every row, so a run stopped at its time limit keeps its rows."""
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "moe_sweep.md"), "w") as f:
+            f.write(HEADER + "\n" + "\n".join(rows) + "\n")
+
+
 def _label(cfg):
-    return (f"gemv m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-            if cfg.gemv else f"tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}")
+    if not cfg.gemv:
+        return f"tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    kind = "words" if cfg.mx_words else "wide" if cfg.wide_acc else "gemv"
+    return f"{kind} m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ts", default="1,8,32")
     parser.add_argument("--only", default="mxfp4,fp8_channel,fp8_block")
-    parser.add_argument("--quick", action="store_true", help="time the defaults and a few MXFP4 neighbours")
+    parser.add_argument("--tile", action="store_true", help="also time the tensor-core tile kernel")
     args = parser.parse_args()
     torch.manual_seed(0)
     ts = [int(v) for v in args.ts.split(",")]
     dev = torch.cuda.get_device_properties(0)
     print(f"# {dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
-    header = ("| case | T | config | us | MB | GB/s | % copy | rel err vs tile |\n"
-              "|---|---|---|---|---|---|---|---|")
-    print(header)
+    print(HEADER)
     rows: list[str] = []
     cases = [("gpt-oss-120b MXFP4", "mxfp4", 128, 4, 2880, 2880),
              ("GLM-4.5V FP8 channel", "fp8_channel", 128, 8, 4096, 1408),
              ("GLM-4.5V FP8 block", "fp8_block", 128, 8, 4096, 1408)]
     for case in cases:
         if case[1] in args.only.split(","):
-            sweep_case(*case, ts, rows, args.quick)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "moe_sweep.md"), "w") as f:
-            f.write(header + "\n" + "\n".join(rows) + "\n")
+            sweep_case(*case, ts, rows, args.tile)
+    _flush(rows)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4
 from .moe_align import moe_align
 from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4,
                        moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
-from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
+from .moe_gemv import (moe_down_gemv_kernel, moe_down_wide_kernel, moe_down_words_kernel, moe_gate_up_gemv_kernel,
+                       moe_gate_up_wide_kernel, moe_gate_up_words_kernel)
 
 ACTIVATIONS = {"silu_glu": ACT_SILU_GLU, "swiglu_clamped": ACT_SWIGLU_OAI}
 
@@ -66,6 +67,8 @@ class MoeConfig:
     num_stages: int = 3
     mx_dot_scaled: bool = True  # MXFP4 through tl.dot_scaled, else the in-kernel bit decode
     gemv: bool = False  # row-streaming kernels for decode sizes; block_m=1 also skips moe_align
+    mx_words: bool = False  # MXFP4 row streaming: decode int32 words of 8 codes (kernels/moe_gemv.py)
+    wide_acc: bool = False  # dense/FP8 row streaming: elementwise accumulators, one reduction at the end
 
 
 def _rows(w: LinearWeight, rows: slice) -> LinearWeight:
@@ -153,6 +156,15 @@ def _kernel_weight(w: LinearWeight) -> tuple[int, torch.Tensor, torch.Tensor, tu
     return FMT_FP8_BLK, w.weight, s, (s.stride(0), s.stride(1), s.stride(2)), w.block
 
 
+def _fp8_block_k_fits(cfg: MoeConfig, scale_block_k: int) -> bool:
+    """A K step inside one FP8 scale block, or (row-streaming kernels) a whole number of
+    power-of-two blocks, each scaled after its partial sum."""
+    if scale_block_k % cfg.block_k == 0:
+        return True
+    pow2 = scale_block_k & (scale_block_k - 1) == 0
+    return cfg.gemv and pow2 and cfg.block_k % scale_block_k == 0
+
+
 def _check(t: torch.Tensor, what: str) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{what} must be contiguous along K (stride 1), got strides {t.stride()}")
@@ -182,14 +194,24 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         return out
     on_gpu = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     cfg = config or default_config(t * k, e, fmt, on_gpu, x.element_size())
-    if config is None and FMT_FP8_BLK in (fmt, fmt_d):
+    blk_ks = [b[1] for f, b in ((fmt, sblock), (fmt_d, sdblock)) if f == FMT_FP8_BLK]
+    if config is None and not all(_fp8_block_k_fits(cfg, bk) for bk in blk_ks):
         # a default K step inside one scale block, whatever the checkpoint's block size
-        steps = [cfg.block_k] + [b[1] for f, b in ((fmt, sblock), (fmt_d, sdblock)) if f == FMT_FP8_BLK]
-        cfg = replace(cfg, block_k=math.gcd(*steps))
-    if (fmt == FMT_FP8_BLK and sblock[1] % cfg.block_k) or (fmt_d == FMT_FP8_BLK and sdblock[1] % cfg.block_k):
-        raise ValueError(f"block_k {cfg.block_k} must divide the FP8 scale block {sblock}")
+        cfg = replace(cfg, block_k=math.gcd(cfg.block_k, *blk_ks))
+    if not all(_fp8_block_k_fits(cfg, bk) for bk in blk_ks):
+        raise ValueError(f"block_k {cfg.block_k} must divide the FP8 scale block {sblock} (row-streaming "
+                         "kernels: or be a multiple of a power-of-two block)")
     if cfg.gemv and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_k % 32:
         raise ValueError(f"the MXFP4 row-streaming kernels need block_k a multiple of 32, got {cfg.block_k}")
+    if cfg.gemv and cfg.mx_words and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_m > 4:
+        raise ValueError(f"the MXFP4 word-decode kernels take at most 4 pairs per program, got block_m {cfg.block_m}")
+    if cfg.gemv and cfg.wide_acc and (fmt != FMT_MXFP4 or fmt_d != FMT_MXFP4):
+        if cfg.block_m > 2:
+            raise ValueError(f"the wide-accumulator kernels take at most 2 pairs per program, got block_m {cfg.block_m}")
+        for f, b in ((fmt, sblock), (fmt_d, sdblock)):
+            if f == FMT_FP8_BLK and b[0] % cfg.block_n:
+                raise ValueError(f"the wide-accumulator kernels need block_n {cfg.block_n} to divide the FP8 "
+                                 f"scale block {b}")
     num_pairs = t * k
     if cfg.gemv and cfg.block_m == 1:
         # one program per pair, in pair order: no grouping pass needed
@@ -212,7 +234,22 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
                     float(experts.alpha), float(experts.limit))
     gate_up_meta = dict(FORMAT=fmt, SBN=sblock[0], SBK=sblock[1], ACT=ACTIVATIONS[experts.activation],
                         HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
-    if cfg.gemv:
+    words_up = cfg.gemv and cfg.mx_words and fmt == FMT_MXFP4
+    words_down = cfg.gemv and cfg.mx_words and fmt_d == FMT_MXFP4
+    wide_up = cfg.gemv and cfg.wide_acc and fmt != FMT_MXFP4
+    wide_down = cfg.gemv and cfg.wide_acc and fmt_d != FMT_MXFP4
+    x_bf16 = x.dtype == torch.bfloat16
+    if words_up:
+        # int32 words of 8 codes, strides in 16-byte groups (rows are whole 32-value groups)
+        wg32, wu32 = wg.view(torch.int32), wu.view(torch.int32)
+        words_args = (x, x.stride(0), wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4, *gate_up_args[6:])
+        moe_gate_up_words_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
+            *words_args, SORTED=sorted_pairs, ACT=ACTIVATIONS[experts.activation], HAS_BIAS=has_bias,
+            X_BF16=x_bf16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+    elif wide_up:
+        moe_gate_up_wide_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
+            *gate_up_args, SORTED=sorted_pairs, **gate_up_meta)
+    elif cfg.gemv:
         moe_gate_up_gemv_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             *gate_up_args, SORTED=sorted_pairs, **gate_up_meta)
     else:
@@ -227,7 +264,15 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
                  sorted_ids, block_expert, num_pairs, h, i)
     down_meta = dict(FORMAT=fmt_d, SBN=sdblock[0], SBK=sdblock[1], HAS_BIAS=has_down_bias,
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
-    if cfg.gemv:
+    if words_down:
+        wd32 = wd.view(torch.int32)
+        moe_down_words_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
+            act, act.stride(0), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, *down_args[5:],
+            SORTED=sorted_pairs, HAS_BIAS=has_down_bias, X_BF16=x_bf16, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+    elif wide_down:
+        moe_down_wide_kernel[(b_max, triton.cdiv(h, cfg.block_n))](*down_args, SORTED=sorted_pairs, **down_meta)
+    elif cfg.gemv:
         moe_down_gemv_kernel[(b_max, triton.cdiv(h, cfg.block_n))](*down_args, SORTED=sorted_pairs, **down_meta)
     else:
         moe_down_kernel[(b_max, triton.cdiv(h, cfg.block_n))](

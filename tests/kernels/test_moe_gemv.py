@@ -5,7 +5,7 @@ import torch
 from kernel_checks import DEV, random_routing, quantize_fp8_blocks, quantize_fp8_rows, random_mxfp4, rel_err
 from localchat.engine.weights.formats import DenseWeight, Fp8Weight, Mxfp4Weight
 from localchat.kernels.moe import MoeConfig, MoeExperts, fused_moe, fused_moe_ref, gpt_oss_experts
-from localchat.kernels.moe_routing import route_gpt_oss
+from localchat.kernels.moe_routing import route_glm, route_gpt_oss
 
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
@@ -59,3 +59,137 @@ def test_gemv_rejects_mxfp4_block_k_off_groups():
     w, ids = route_gpt_oss(torch.randn(1, 2, device=DEV), 1)
     with pytest.raises(ValueError, match="multiple of 32"):
         fused_moe(x, experts, w, ids, config=MoeConfig(1, 16, 48, 1, 1, gemv=True))
+
+
+def _gpt_oss_case(e, h, i, scale_lo=118, scale_hi=123, codes=None):
+    blocks, scales = random_mxfp4(e, 2 * i, h, device=DEV, scale_lo=scale_lo, scale_hi=scale_hi)
+    dblocks, dscales = random_mxfp4(e, h, i, device=DEV, scale_lo=scale_lo, scale_hi=scale_hi)
+    if codes is not None:  # bytes made only of the given codes
+        pick = torch.tensor(codes, dtype=torch.uint8, device=DEV)
+        blocks = pick[blocks.long() % len(codes)] | (pick[(blocks.long() // 16) % len(codes)] << 4)
+        dblocks = pick[dblocks.long() % len(codes)] | (pick[(dblocks.long() // 16) % len(codes)] << 4)
+    return gpt_oss_experts(Mxfp4Weight(blocks, scales), torch.randn(e, 2 * i, device=DEV),
+                           Mxfp4Weight(dblocks, dscales), torch.randn(e, h, device=DEV))
+
+
+@pytest.mark.parametrize("block_m,dtype,scales", [(1, torch.float16, (96, 131)), (2, torch.bfloat16, (60, 229)),
+                                                  (4, torch.float16, (96, 131))])
+def test_gpt_oss_mxfp4_words(block_m, dtype, scales):
+    # H=96: three 32-value groups, so the second 64-wide chunk is half masked; I=160 five groups;
+    # 6 experts for 4 pairs: some experts get none. The scales reach far from 127 (bf16 up to
+    # 228, the multiplier's limit; fp16 as far as its range allows); bf16 activations take the
+    # integer 2^100 path.
+    e, k, h, i, t = 6, 2, 96, 160, 2
+    experts = _gpt_oss_case(e, h, i, scale_lo=scales[0], scale_hi=scales[1])
+    x = torch.randn(t, h, device=DEV, dtype=dtype)
+    w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
+    cfg = MoeConfig(block_m, 32, 64, 1, 1, gemv=True, mx_words=True)
+    out = fused_moe(x, experts, w, ids, config=cfg)
+    assert out.shape == (t, h) and out.dtype == dtype
+    assert rel_err(out, fused_moe_ref(x, experts, w, ids)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mxfp4_words_keep_half_codes(dtype):
+    # only +-0 and +-0.5: the word decode turns 0.5 into a float32 subnormal (0.5 * 2^-126),
+    # so a flush to zero anywhere would zero the whole result
+    e, k, h, i, t = 2, 1, 64, 32, 2
+    experts = _gpt_oss_case(e, h, i, codes=(0, 1, 8, 9))
+    experts = MoeExperts(experts.gate, experts.up, experts.down, None, None, None, "swiglu_clamped")
+    x = torch.randn(t, h, device=DEV, dtype=dtype) * 4
+    w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
+    cfg = MoeConfig(1, 16, 64, 1, 1, gemv=True, mx_words=True)
+    ref = fused_moe_ref(x, experts, w, ids)
+    assert ref.abs().max() > 0
+    assert rel_err(fused_moe(x, experts, w, ids, config=cfg), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("fmt,dtype,block_m,block_k", [
+    ("dense", torch.float32, 1, 32),
+    ("fp8_channel", torch.float16, 2, 32),
+    ("fp8_block", torch.float32, 1, 64),  # two 32-wide scale blocks per K step
+    ("fp8_block", torch.float16, 2, 16),  # two K steps per scale block
+])
+def test_glm_experts_wide_acc(fmt, dtype, block_m, block_k):
+    e, k, h, i, t = 4, 2, 80, 48, 3  # partial K chunk, partial scale blocks, an expert without pairs
+    gate, up, down = (torch.randn(e, *s, device=DEV) / s[1] ** 0.5 for s in ((i, h), (i, h), (h, i)))
+    if fmt == "dense":
+        weights = [DenseWeight(w.to(dtype)) for w in (gate, up, down)]
+    elif fmt == "fp8_channel":
+        weights = [Fp8Weight(*quantize_fp8_rows(w)) for w in (gate, up, down)]
+    else:
+        weights = [Fp8Weight(*quantize_fp8_blocks(w, 16, 32), block=(16, 32)) for w in (gate, up, down)]
+    experts = MoeExperts(*weights)
+    x = torch.randn(t, h, device=DEV, dtype=dtype)
+    w, ids = random_routing(t, e, k)
+    cfg = MoeConfig(block_m, 16, block_k, 1, 1, gemv=True, wide_acc=True)
+    out = fused_moe(x, experts, w, ids, config=cfg)
+    assert rel_err(out, fused_moe_ref(x, experts, w, ids)) < TOL[dtype]
+
+
+def test_fp8_block_gemv_wide_k():
+    # the per-chunk-reduction kernel with a K step spanning two scale blocks
+    e, k, h, i, t = 3, 2, 80, 40, 2
+    weights = [Fp8Weight(*quantize_fp8_blocks(torch.randn(e, *s, device=DEV) / s[1] ** 0.5, 16, 32), block=(16, 32))
+               for s in ((i, h), (i, h), (h, i))]
+    experts = MoeExperts(*weights)
+    x = torch.randn(t, h, device=DEV, dtype=torch.float32)
+    w, ids = random_routing(t, e, k)
+    out = fused_moe(x, experts, w, ids, config=MoeConfig(1, 16, 64, 1, 1, gemv=True))
+    assert rel_err(out, fused_moe_ref(x, experts, w, ids)) < TOL[torch.float32]
+
+
+def test_new_row_kernels_reject_bad_tiles():
+    gpt = _gpt_oss_case(2, 64, 32)
+    x = torch.randn(1, 64, device=DEV, dtype=torch.float16)
+    w, ids = route_gpt_oss(torch.randn(1, 2, device=DEV), 1)
+    with pytest.raises(ValueError, match="at most 4 pairs"):
+        fused_moe(x, gpt, w, ids, config=MoeConfig(8, 16, 64, 1, 1, gemv=True, mx_words=True))
+    glm = MoeExperts(*[Fp8Weight(*quantize_fp8_blocks(torch.randn(2, *s, device=DEV), 16, 32), block=(16, 32))
+                       for s in ((32, 64), (32, 64), (64, 32))])
+    with pytest.raises(ValueError, match="divide the FP8 scale block"):
+        fused_moe(x, glm, w, ids, config=MoeConfig(1, 32, 32, 1, 1, gemv=True, wide_acc=True))
+    with pytest.raises(ValueError, match="must divide the FP8 scale block"):
+        fused_moe(x, glm, w, ids, config=MoeConfig(1, 16, 48, 1, 1, gemv=True))
+
+
+# ---- real shapes on a GPU: the new row kernels against the reference ------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,cfg", [
+    (1, MoeConfig(1, 32, 512, 4, 1, gemv=True, mx_words=True)),
+    (32, MoeConfig(4, 16, 512, 4, 1, gemv=True, mx_words=True)),
+])
+def test_gpt_oss_words_gpu(t, cfg):
+    e, k, h, i = 128, 4, 2880, 2880
+    experts = gpt_oss_experts(Mxfp4Weight(*random_mxfp4(e, 2 * i, h, device="cuda")),
+                              torch.randn(e, 2 * i, device="cuda", dtype=torch.bfloat16),
+                              Mxfp4Weight(*random_mxfp4(e, h, i, device="cuda")),
+                              torch.randn(e, h, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    w, ids = route_gpt_oss(torch.randn(t, e, device="cuda"), k)
+    err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
+    print(f"\ngpt-oss-120b words T={t} {cfg}: rel err {err:.1e}")
+    assert err < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,t,cfg", [
+    ("fp8_channel", 1, MoeConfig(1, 16, 256, 4, 1, gemv=True, wide_acc=True)),
+    ("fp8_block", 1, MoeConfig(1, 16, 256, 4, 1, gemv=True, wide_acc=True)),
+    ("fp8_block", 32, MoeConfig(2, 16, 256, 4, 1, gemv=True, wide_acc=True)),
+    ("fp8_block", 1, MoeConfig(1, 16, 256, 4, 1, gemv=True)),
+])
+def test_glm_wide_gpu(fmt, t, cfg):
+    e, k, h, i = 128, 8, 4096, 1408
+    ws = [torch.randn(e, *s, device="cuda") / s[1] ** 0.5 for s in ((i, h), (i, h), (h, i))]
+    if fmt == "fp8_channel":
+        experts = MoeExperts(*[Fp8Weight(*quantize_fp8_rows(w)) for w in ws])
+    else:
+        experts = MoeExperts(*[Fp8Weight(*quantize_fp8_blocks(w), block=(128, 128)) for w in ws])
+    del ws
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    w, ids = route_glm(torch.randn(t, e, device="cuda"), torch.randn(e, device="cuda") * 0.1, k)
+    err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
+    print(f"\nGLM-4.5V {fmt} T={t} {cfg}: rel err {err:.1e}")
+    assert err < TOL[torch.bfloat16]
