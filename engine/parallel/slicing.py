@@ -169,6 +169,39 @@ class _Planner:
         raise ShardingError(f"no tensor-parallel rule for expert tensor {name} {list(shape)}")
 
 
+@dataclass(frozen=True)
+class RankLayout:
+    """The sizes one rank's layers work with, from the same rules as its shard plan.
+
+    q_heads, kv_heads: [start, end) head ranges of this rank's attention.
+    vocab: [start, end) rows of the embedding and lm_head; vocab_per_rank = cdiv(V, tp), the width
+        every rank's logits are padded to before they are gathered.
+    experts: [start, end) of the routed experts this rank holds whole (expert parallel), or None
+        when every rank holds a slice of every expert.
+    """
+
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    vocab: tuple[int, int]
+    vocab_per_rank: int
+    experts: tuple[int, int] | None
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+
+def rank_layout(spec: ModelSpec, tp: int, rank: int, ep: bool = False) -> RankLayout:
+    """RankLayout of `rank` of `tp` (ShardingError for a split the model does not allow)."""
+    planner = _Planner(spec, tp, rank, ep)
+    q, kv = head_ranges(spec, tp, rank)
+    return RankLayout(q, kv, planner.vocab, math.ceil(spec.vocab_size / tp), planner.experts)
+
+
 def shard_plan(spec: ModelSpec, tp: int, rank: int, ep: bool = False) -> ShardPlan:
     """{loader output name: Slice} for `rank` of `tp`. With ep, experts are split whole across the
     same tp ranks. Raises ShardingError for a split the model does not allow (heads, sizes, or a
