@@ -10,6 +10,7 @@ collective, and every later step raises WorkerFailed with that error.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import multiprocessing.connection
 import os
@@ -136,9 +137,14 @@ class WorkerGroup:
         if errors:
             raise errors[0]
 
-    def load(self, path: str | Path, spec: ModelSpec, dtype: torch.dtype, on_progress=None):
-        """Every rank reads its slices of the checkpoint at `path` and builds its model; returns
-        rank 0's model. on_progress(done, total, file) follows rank 0's reading."""
+    def load(self, path: str | Path, spec: ModelSpec, dtype: torch.dtype, on_progress=None,
+             expert_parallel: bool | None = None):
+        """Every rank reads its slices of the checkpoint at `path` and builds its model (replacing
+        any model loaded before); returns rank 0's model. on_progress(done, total, file) follows
+        rank 0's reading. expert_parallel: change the split of the experts from the group's."""
+        if expert_parallel is not None:
+            self.expert_parallel = expert_parallel
+            self.ctx = dataclasses.replace(self.ctx, expert_parallel=expert_parallel)
         for rank in range(self.world_size):  # refuse an impossible split before any rank reads
             shard_plan(spec, self.world_size, rank, self.expert_parallel)
         try:
