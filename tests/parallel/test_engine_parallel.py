@@ -129,3 +129,34 @@ def test_workers_exit_when_the_engine_process_dies(tmp_path):
 def test_expert_parallel_needs_several_ranks():
     with pytest.raises(ValueError, match="tp >= 2"):
         engine("gpt-oss-mxfp4", ep=True)
+
+
+def _cli(*args):
+    import shutil
+
+    script = shutil.which("localchat", path=str(Path(sys.executable).parent)) or shutil.which("localchat")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    return subprocess.run([script, *map(str, args)], capture_output=True, text=True, timeout=180, env=env)
+
+
+def test_run_command_with_tp_and_ep_gives_the_tp1_answer():
+    import json
+
+    name = "gpt-oss-bf16"
+    out = _cli("run", open_fixture(name), "--prompt", "Tell me a story", "--temperature", "0", "--max-tokens", "5",
+               "--json", "--device", "cpu", "--tp", "2", "--ep")
+    assert out.returncode == 0, out.stderr
+    one = engine(name)
+    try:
+        (want, _), = answers(one, [ask("Tell me a story", max_tokens=5)])
+    finally:
+        one.shutdown()
+    assert json.loads(out.stdout)["token_ids"] == want
+
+
+def test_run_command_refuses_a_split_the_model_does_not_allow():
+    out = _cli("run", open_fixture("glm-bf16"), "--prompt", "hi", "--device", "cpu", "--tp", "3")
+    assert out.returncode == 1 and "num_attention_heads = 4 is not divisible by tensor-parallel size 3" in out.stderr
+    assert "Traceback" not in out.stderr
+    bad = _cli("run", open_fixture("glm-bf16"), "--prompt", "hi", "--gpus", "zero")
+    assert bad.returncode == 2 and "--gpus takes GPU indices" in bad.stderr
