@@ -160,3 +160,26 @@ def test_run_command_refuses_a_split_the_model_does_not_allow():
     assert "Traceback" not in out.stderr
     bad = _cli("run", open_fixture("glm-bf16"), "--prompt", "hi", "--gpus", "zero")
     assert bad.returncode == 2 and "--gpus takes GPU indices" in bad.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ep", [False, True])
+def test_tp2_over_nccl_answers_like_one_gpu(ep):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    requests = [ask(picture(), "What is this?"), ask("Hello there")]
+    path = open_fixture("glm-bf16")
+    one = Engine(path, device="cuda", dtype="float32", block_size=16)
+    try:
+        want = answers(one, requests)
+    finally:
+        one.shutdown()
+    two = Engine(path, device="cuda", dtype="float32", block_size=16, tp=2, ep=ep, gpus=[0, 1])
+    try:
+        got = answers(two, requests)
+    finally:
+        two.shutdown()
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    assert all(f.finish_reason in ("stop", "length") for _, f in got), [f.error for _, f in got]
