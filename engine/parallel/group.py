@@ -6,6 +6,9 @@ allocate the KV cache), then one message a step with that step's inputs and no r
 ranks meet only inside the model's collectives. A monitor thread watches the workers: when one
 exits, its error is recorded, NCCL communicators are aborted so that no rank waits forever in a
 collective, and every later step raises WorkerFailed with that error.
+
+The workers are started with the spawn method, so a script that builds a tensor-parallel Engine
+at import time must do it under `if __name__ == "__main__":` (the `localchat` command does).
 """
 from __future__ import annotations
 
