@@ -12,8 +12,8 @@ Rules (reference notes D.1/D.2, how vLLM and SGLang shard these two models):
 * expert parallel (ep=True): whole experts, a contiguous range per rank, for every expert tensor
   (down bias whole on its expert's rank); attention and shared experts stay tensor-parallel.
 * embeddings and lm_head: vocab split on rows, cdiv(V, tp) per rank, the last rank shorter.
-* norms, routers, GLM's correction bias and the vision tower are replicated (the ViT runs whole on
-  every rank, as vLLM's `--mm-encoder-tp-mode data`; its 12 heads do not divide 8).
+* norms, routers, GLM's correction bias and the vision tower are replicated (the ViT is not split:
+  its 12 heads do not divide 8; only rank 0 runs it, see models/glm4v_moe.py).
 
 Slices are given on each output's logical shape: a tensor's own shape, a LinearWeight record's
 [..., N, K] (`record.shape`). `slice_weights` maps that onto the record's payload and scales.
