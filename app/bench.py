@@ -1,15 +1,21 @@
-"""Decode speed of the full-size architectures with random weights in their native formats.
+"""Serving speed of the full-size architectures with random weights in their native formats.
 
-For each model and batch size: prefill `--prompt-len` tokens per sequence, then time decode
-steps (eager, and replayed as one CUDA graph per step), and compare the bytes one step must read
-(weights of the layers it touches + KV cache) with the copy ceiling:
-    floor_ms = bytes_per_step / ceiling_bytes_per_s,  ratio = floor_ms / measured_ms.
-Usage: localchat bench gpt-oss-120b --dummy --batch 1,8,32 [--prompt-len 512] [--gen-len 64]
-[--layers N] [--json FILE]  (several models: comma-separated)
+For each model the real Engine (scheduler, CUDA-graph decode, sampling, detokenizer, streams)
+serves synthetic requests: per batch size, that many concurrent requests of `--prompt-len`
+random tokens each generating `--gen-len` tokens. Reported per batch size: time to first token
+(text prompt at batch 1; image prompt for GLM), decode tokens/s per stream and in total, the
+replay time of the captured decode graph alone, bytes one decode step must read, and
+    floor_ms = bytes_per_step / ceiling_bytes_per_s,  ratio = floor_ms / measured step time.
+Random weights end no answer early: end-of-sequence ids are ignored, so every stream runs
+`--gen-len` tokens.
+
+Usage: localchat bench gpt-oss-120b --dummy --batch 1,8,32 [--prompt-len 512] [--gen-len 256]
+[--image 1024x768] [--layers N] [--compare transformers] [--json FILE]  (several models: comma-separated)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -19,8 +25,7 @@ import torch
 
 from ..engine.model_configs import model_config
 from ..engine.models import build_model
-from ..engine.runtime.forward_batch import ForwardBatch
-from ..engine.runtime.kv_cache import PagedKVCache
+from ..engine.runtime.request import ChatRequest, Final, ImagePart, Message, SamplingParams, TextPart
 from ..engine.spec import ModelSpec
 from ..engine.weights.dummy import dummy_weights
 
@@ -29,6 +34,7 @@ BLOCK = 16
 
 
 def spec_for(name: str, layers: int | None) -> ModelSpec:
+    """The registered model's spec, optionally cut to its first `layers` decoder layers."""
     cfg = model_config(name)
     if layers:
         text = cfg.get("text_config", cfg)
@@ -66,85 +72,151 @@ def step_bytes(spec: ModelSpec, weights: dict, batch: int, context: int) -> int:
     return int(total)
 
 
-class DecodeBench:
-    def __init__(self, spec: ModelSpec, model, batch: int, prompt_len: int, gen_len: int):
-        self.spec, self.model, self.b = spec, model, batch
-        self.blocks_per_seq = -(-(prompt_len + gen_len + 1) // BLOCK)
-        self.cache = PagedKVCache(spec.num_layers, batch * self.blocks_per_seq, BLOCK, spec.num_kv_heads,
-                                  spec.head_dim, torch.bfloat16, "cuda")
-        self.tables = [list(range(i * self.blocks_per_seq, (i + 1) * self.blocks_per_seq)) for i in range(batch)]
-        self.prompt_len = prompt_len
+def random_image(size: str, seed: int = 0) -> ImagePart:
+    import io
 
-    def prefill(self) -> float:
-        """Prefills every sequence (one batch), returns seconds."""
-        n = self.prompt_len
-        ids = torch.randint(0, 10000, (self.b * n,), device="cuda")
-        rope = torch.arange(n).repeat(self.b)
-        batch = ForwardBatch.build([(t, 0, n) for t in self.tables], rope, BLOCK, "cuda")
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        h = self.model.forward(self.model.embed(ids), batch, self.cache)
-        self.model.logits(h[batch.query_start[1:] - 1]).argmax(-1)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
+    import numpy as np
+    from PIL import Image
 
-    def static_batch(self, pos: int) -> ForwardBatch:
-        return ForwardBatch.build([(t, pos, 1) for t in self.tables], torch.full((self.b,), pos), BLOCK, "cuda")
+    w, h = (int(x) for x in size.lower().split("x"))
+    pixels = np.random.RandomState(seed).randint(0, 255, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return ImagePart.from_bytes(buf.getvalue())
 
-    def step(self, tokens, batch):
-        h = self.model.forward(self.model.embed(tokens), batch, self.cache)
-        return self.model.logits(h).argmax(-1)
 
-    def eager(self, steps: int) -> float:
-        tokens = torch.randint(0, 10000, (self.b,), device="cuda")
-        pos = self.prompt_len
-        batch = self.static_batch(pos)
-        self.step(tokens, batch)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for i in range(steps):
-            tokens = self.step(tokens, self.static_batch(pos + i))
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / steps
+def _request(gen_len: int, *parts) -> ChatRequest:
+    return ChatRequest((Message("user", tuple(parts) or (TextPart("bench"),)),),
+                       SamplingParams(temperature=0.0, max_tokens=gen_len))
 
-    def graph(self, steps: int) -> float:
-        """One captured decode step replayed; positions advance by copying into its inputs."""
-        pos = self.prompt_len
-        batch = self.static_batch(pos)
-        tokens = torch.randint(0, 10000, (self.b,), device="cuda")
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.step(tokens, batch)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self.step(tokens, batch)
-        nxt = [self.static_batch(pos + i) for i in range(steps)]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for b in nxt:
-            batch.slot_mapping.copy_(b.slot_mapping, non_blocking=True)
-            batch.context_lens.copy_(b.context_lens, non_blocking=True)
-            batch.rope_positions.copy_(b.rope_positions, non_blocking=True)
-            graph.replay()
-            tokens.copy_(out)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / steps
+
+def _finals(streams) -> list[Final]:
+    out = []
+    for s in streams:
+        final = [item for item in s if isinstance(item, Final)][-1]
+        if final.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"a benchmark request ended with {final.finish_reason}: {final.error}")
+        out.append(final)
+    return out
+
+
+def graph_replay_ms(engine, batch: int, replays: int = 20) -> float:
+    """Median time of one replay of the captured decode graph of `batch`'s bucket (GPU only,
+    no host work); the inputs left from the last real step are valid."""
+    graphs = engine.runner.graphs
+    size = graphs.bucket(batch)
+    if size not in graphs.graphs:
+        return float("nan")
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graphs.graphs[size].replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def make_engine(spec: ModelSpec, model, weights_bytes: int, prompt_len: int, gen_len: int, max_batch: int,
+                image_tokens: int):
+    from ..engine.runtime.engine import Engine
+    from .bench_prompts import SyntheticPrompts
+
+    context = prompt_len + gen_len + image_tokens + 64
+    tokens = max_batch * (prompt_len + gen_len + 2 * BLOCK) + 2 * context
+    return Engine.from_model(dataclasses.replace(spec, eos_token_ids=()), model, SyntheticPrompts(spec, prompt_len),
+                             device="cuda", dtype="bfloat16", max_context=context, name=spec.family,
+                             weights_bytes=weights_bytes, max_running=max_batch, max_kv_tokens=tokens)
+
+
+def measure_batch(engine, spec, weights, batch: int, prompt_len: int, gen_len: int) -> dict:
+    """`batch` concurrent requests. The step time is that of the decode steps in which all of them
+    ran (prefill chunks of the later requests, and the tail as streams finish, are left out);
+    it includes sampling and streaming the text."""
+    before = engine.decode_step_times().get(batch, (0, 0.0))
+    streams = [engine.submit(_request(gen_len)) for _ in range(batch)]
+    finals = _finals(streams)
+    steps, seconds = engine.decode_step_times().get(batch, (0, 0.0))
+    if steps == before[0]:
+        raise RuntimeError(f"no decode step ran all {batch} requests together; raise --gen-len")
+    step_s = (seconds - before[1]) / (steps - before[0])
+    per_stream = 1 / step_s
+    by = step_bytes(spec, weights, batch, prompt_len + gen_len // 2)
+    floor = by / COPY_CEILING
+    return dict(batch=batch, prompt_len=prompt_len, gen_len=gen_len,
+                ttft_ms=1e3 * sum(f.timings.ttft for f in finals) / batch,
+                tok_s_per_stream=per_stream, tok_s_total=per_stream * batch, step_ms=1e3 * step_s,
+                graph_ms=graph_replay_ms(engine, batch), step_bytes=by, floor_ms=floor * 1e3,
+                floor_ratio=floor / step_s)
+
+
+def measure_image(engine, size: str, question_tokens: int = 50) -> dict:
+    """Time to first token of one image + question (second of two runs: the first compiles)."""
+    for seed in (1, 2):  # a different image each run, so nothing comes from the prefix cache
+        final = _finals([engine.submit(_request(1, random_image(size, seed), TextPart(f"tokens:{question_tokens}")))])[0]
+    t = final.timings
+    return dict(image=size, prompt_tokens=final.prompt_tokens, image_encode_ms=t.image_encode * 1e3,
+                prefill_ms=t.prefill * 1e3, first_token_ms=t.first_token * 1e3, ttft_ms=t.ttft * 1e3)
+
+
+def bench_model(name: str, args) -> dict:
+    spec = spec_for(name, args.layers)
+    batches = [int(x) for x in args.batch.split(",")]
+    t0 = time.perf_counter()
+    weights = dummy_weights(spec, device="cuda", dtype=torch.bfloat16)
+    model = build_model(spec, weights, "cuda")
+    torch.cuda.synchronize()
+    total = sum(nbytes(w) for w in weights.values())
+    print(f"{name}: {spec.num_layers} layers, weights {total / 1e9:.1f} GB built in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    image_tokens = 1100 if (args.image and spec.vision is not None) else 0
+    engine = make_engine(spec, model, total, args.prompt_len, args.gen_len, max(batches), image_tokens)
+    result = dict(model=name, layers=spec.num_layers, weights_gb=total / 1e9, rows=[], image=None)
+    try:
+        _finals([engine.submit(_request(4, TextPart("tokens:64")))])  # compiles the prefill kernels
+        print(f"  decode graphs for batch sizes {engine.runner.graphs.sizes} captured in {engine.warmup():.1f} s",
+              flush=True)
+        for b in batches:
+            row = measure_batch(engine, spec, weights, b, args.prompt_len, args.gen_len)
+            result["rows"].append(row)
+            print(f"  batch {b:3d}: TTFT {row['ttft_ms']:8.1f} ms | {row['tok_s_per_stream']:7.1f} tok/s/stream, "
+                  f"{row['tok_s_total']:8.1f} tok/s total | step {row['step_ms']:6.2f} ms (graph alone "
+                  f"{row['graph_ms']:6.2f}) | {row['step_bytes'] / 1e9:6.2f} GB/step, floor {row['floor_ms']:.2f} ms, "
+                  f"{100 * row['floor_ratio']:5.1f}% of floor", flush=True)
+        if args.image and spec.vision is not None:
+            result["image"] = img = measure_image(engine, args.image)
+            print(f"  image {img['image']} + 50-token question ({img['prompt_tokens']} tokens): TTFT "
+                  f"{img['ttft_ms']:.1f} ms = image {img['image_encode_ms']:.1f} + prefill {img['prefill_ms']:.1f} "
+                  f"+ first token {img['first_token_ms']:.1f}", flush=True)
+    finally:
+        engine.shutdown()
+    if args.compare == "transformers":
+        from .bench_compare import compare_transformers
+
+        result["compare"] = compare_transformers(name, spec, weights, args)
+    del model, weights, engine
+    torch.cuda.empty_cache()
+    return result
 
 
 def add_bench_command(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="decode speed of a registered model with random weights on the GPU",
+    p = subparsers.add_parser("bench", help="serving speed of a registered model with random weights on the GPU",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="glm-4.5v, glm-4.5v-fp8, gpt-oss-20b or gpt-oss-120b (comma-separated for several)")
     p.add_argument("--dummy", action="store_true",
                    help="random weights in the native format, built on the GPU (the only mode so far)")
     p.add_argument("--batch", default="1,8,32")
     p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--gen-len", type=int, default=64)
+    p.add_argument("--gen-len", type=int, default=256)
+    p.add_argument("--image", default="1024x768", metavar="WxH",
+                   help="image size for the image time-to-first-token (GLM-4.5V only; 'none' to skip)")
     p.add_argument("--layers", type=int, default=None, help="truncate the model to this many layers")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the rows to FILE")
+    p.add_argument("--compare", choices=["transformers"], default=None,
+                   help="also time the transformers implementation on the same weights")
+    p.add_argument("--compare-layers", type=int, default=None,
+                   help="depth for --compare (default: the whole model where its bf16 copy fits, else 8)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results to FILE")
     p.set_defaults(func=run_bench)
 
 
@@ -155,40 +227,9 @@ def run_bench(args) -> int:
     if not torch.cuda.is_available():
         print("localchat: bench measures the CUDA path and no CUDA GPU is visible", file=sys.stderr)
         return 2
-    rows = []
-
-    for name in args.model.split(","):
-        spec = spec_for(name, args.layers)
-        t0 = time.perf_counter()
-        weights = dummy_weights(spec, device="cuda", dtype=torch.bfloat16)
-        model = build_model(spec, weights, "cuda")
-        torch.cuda.synchronize()
-        print(f"{name}: {spec.num_layers} layers, weights {sum(nbytes(w) for w in weights.values()) / 1e9:.1f} GB "
-              f"built in {time.perf_counter() - t0:.1f} s", flush=True)
-        for b in [int(x) for x in args.batch.split(",")]:
-            with torch.inference_mode():
-                bench = DecodeBench(spec, model, b, args.prompt_len, args.gen_len)
-                prefill_s = bench.prefill()
-                eager_s = bench.eager(min(args.gen_len, 16))
-                try:
-                    graph_s = bench.graph(args.gen_len)
-                except Exception as e:  # report, keep measuring the other sizes
-                    print(f"  graph capture failed: {type(e).__name__}: {e}", flush=True)
-                    graph_s = float("nan")
-            by = step_bytes(spec, weights, b, args.prompt_len + args.gen_len // 2)
-            best = min(eager_s, graph_s) if graph_s == graph_s else eager_s
-            floor = by / COPY_CEILING
-            row = dict(model=name, layers=spec.num_layers, batch=b, prompt_len=args.prompt_len,
-                       prefill_ms=prefill_s * 1e3, eager_ms=eager_s * 1e3, graph_ms=graph_s * 1e3,
-                       tok_s_per_stream=1 / best, tok_s_total=b / best, step_bytes=by,
-                       floor_ms=floor * 1e3, floor_ratio=floor / best)
-            rows.append(row)
-            print(f"  batch {b:3d}: prefill {row['prefill_ms']:8.1f} ms | step eager {row['eager_ms']:7.2f} ms, "
-                  f"graph {row['graph_ms']:7.2f} ms | {row['tok_s_per_stream']:7.1f} tok/s/stream, "
-                  f"{row['tok_s_total']:8.1f} tok/s total | {by / 1e9:6.2f} GB/step, floor {row['floor_ms']:.2f} ms, "
-                  f"{100 * row['floor_ratio']:5.1f}% of floor", flush=True)
-        del model, weights, bench
-        torch.cuda.empty_cache()
+    if args.image and args.image.lower() == "none":
+        args.image = None
+    results = [bench_model(name, args) for name in args.model.split(",")]
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -1,12 +1,15 @@
 """`--model demo`: a tiny GLM-4.5V-architecture checkpoint with random weights, built on first use.
 
 It lets the whole app (page, API, `localchat run`) work on a machine with no GPU and no
-download. The files have the real checkpoint's layout (per-expert bf16 tensors in sharded
+download. The transformer layers are random; embedding and output layer hold a word-pair table
+of a few sentences (`_word_pair_head`), so the demo thinks, answers and stops the way GLM does,
+with made-up words. The files have the real checkpoint's layout (per-expert bf16 tensors in sharded
 safetensors with an index, config.json in the Hub dialect, generation_config.json, tokenizer
 files with a GLM-shaped chat template, preprocessor_config.json), so the engine loads it through
-the same code path as a real model. The answers are random text.
+the same code path as a real model.
 
-The byte-level BPE tokenizer and the chat template here are also what the test fixtures use.
+The tokenizer builder (with a smaller vocabulary learned from other text) and the chat template
+here are also what the test fixtures use.
 """
 from __future__ import annotations
 
@@ -16,10 +19,12 @@ import tempfile
 from pathlib import Path
 
 DEMO_NAME = "demo"
-DEMO_NOTE = "Demo model: random weights, the answers are nonsense."
+DEMO_NOTE = ("Demo model: random weights and a small word-pair table; the answers are made up and "
+             "ignore your images and question.")
 # Bump when anything written below changes, so stale cached builds are not reused.
-DEMO_VERSION = 1
-VOCAB = 336  # the tokenizer has 321 entries; the embedding is padded like the real one's
+DEMO_VERSION = 2
+VOCAB = 336  # the test fixtures' tokenizer has 321 entries; the embedding is padded like the real one's
+DEMO_BPE_VOCAB = 1024  # enough merges that every word of the demo text is one token
 SHARDS = 3
 LM_HEAD_SCALE = 3.0  # x the other linears' std: peaked but varied sampling
 
@@ -95,16 +100,18 @@ GLM_CHAT_TEMPLATE = r"""{%- macro visible(content) -%}
 {%- endif -%}"""
 
 
-def build_tokenizer(special: tuple[str, ...], added: tuple[str, ...] = ()):
-    """A byte-level BPE `tokenizers.Tokenizer`: learned merges, then `special`, then `added` (fixed ids)."""
+def build_tokenizer(special: tuple[str, ...], added: tuple[str, ...] = (), *, vocab_size: int = BPE_VOCAB,
+                    corpus: list[str] | None = None):
+    """A byte-level BPE `tokenizers.Tokenizer`: merges learned from `corpus` (default: the test
+    fixtures' text) up to `vocab_size`, then `special`, then `added` (fixed ids)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False, special_tokens=[])
-    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    tok.train_from_iterator(corpus or _CORPUS, trainer=trainer)
     for t in special:
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False)])
     for t in added:
@@ -154,14 +161,16 @@ def build_demo(out: Path, seed: int = 0) -> None:
     """Write the whole demo checkpoint into the directory `out`."""
     from ..engine.spec import ModelSpec
 
-    tok = build_tokenizer(GLM_SPECIAL, GLM_ADDED)
+    tok = build_tokenizer(GLM_SPECIAL, GLM_ADDED, vocab_size=DEMO_BPE_VOCAB, corpus=_demo_corpus())
     ids = {n: tok.token_to_id(n) for n in GLM_SPECIAL + GLM_ADDED}
     eos = [ids["<|endoftext|>"], ids["<|user|>"], ids["<|observation|>"]]
-    config = _config(ids, eos)
+    vocab = -(-tok.get_vocab_size() // 64) * 64  # padded like the real embedding
+    config = _config(ids, eos, vocab)
     generation = {"eos_token_id": eos, "pad_token_id": ids["<|endoftext|>"], "do_sample": True,
                   "temperature": 0.8, "top_p": 0.9, "top_k": 40}
     spec = ModelSpec.from_config(config, generation)
     tensors = _random_tensors(spec, seed, _unprintable_ids(tok))
+    _word_pair_head(tensors, spec, tok, seed)
     _write_shards(out, tensors)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation)
@@ -170,10 +179,10 @@ def build_demo(out: Path, seed: int = 0) -> None:
                    extra_config={"processor_class": "Glm4vProcessor"})
 
 
-def _config(ids: dict[str, int], eos: list[int]) -> dict:
+def _config(ids: dict[str, int], eos: list[int], vocab: int = VOCAB) -> dict:
     """config.json in the Hub's 4.5x dialect (rope keys inside text_config, "torch_dtype")."""
     text = {
-        "model_type": "glm4v_moe_text", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 160,
+        "model_type": "glm4v_moe_text", "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 160,
         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
         "first_k_dense_replace": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1,
@@ -261,6 +270,143 @@ def _random_tensors(spec, seed: int, muted_ids: list[int]) -> dict:
             raise ValueError(f"the demo builds GLM checkpoints only, not {type(entry).__name__}")
     return {n: t if n.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
             for n, t in sorted(out.items(), key=lambda kv: _hub_order(kv[0]))}
+
+
+# What the demo says. Thoughts share no token with the answers and end in "?"; answer sentences
+# end in "." and every answer ends with the one sentence that ends in "!". So a word-pair table
+# stays in the thoughts until a "?" leads to `</think>`, and ends the answer after the "!".
+DEMO_THOUGHTS = (
+    "Hmm?",
+    "Shapes? Colours?",
+    "Which bars look tallest?",
+    "Any labels? Legend?",
+    "Count them first?",
+    "Maybe compare heights?",
+    "Background colour?",
+)
+DEMO_ANSWERS = (
+    "This answer comes from the demo model, which has random weights.",
+    "Its words are picked from a small table of word pairs, not from your image or your question.",
+    "Your images and your message still go through the whole model, so the page works as it would with a real one.",
+    "The demo model runs on the CPU of any machine, with no download.",
+)
+DEMO_LAST = "Start localchat with a vision model for real answers!"
+_EOS = "<|endoftext|>"
+_FLOOR = -16.0  # logit of a word that never follows the current one
+_FLAG_IN, _FLAG_OUT = 63, 62  # residual dims: "this is <|assistant|>", "the previous token was <|assistant|>"
+
+
+def _demo_corpus() -> list[str]:
+    # Joined by spaces too, so a sentence's first word after a space is one token as well.
+    sentences = DEMO_THOUGHTS + DEMO_ANSWERS + (DEMO_LAST,)
+    return [" ".join(sentences)] * 8 + list(sentences) * 8 + _CORPUS
+
+
+def _demo_documents(seed: int, n: int = 400) -> list[str]:
+    """Example answers in GLM's shape: `<think>` thoughts `</think>` newline answer, end of text."""
+    import random
+
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        thoughts = rng.sample(DEMO_THOUGHTS, rng.randint(1, 3))
+        answers = rng.sample(DEMO_ANSWERS, rng.randint(1, 2)) + [DEMO_LAST]
+        docs.append("<think>" + " ".join(thoughts) + "</think>\n" + " ".join(answers) + _EOS)
+    return docs
+
+
+def _word_pair_logits(tok, vocab: int, seed: int):
+    """[vocab, vocab] log P(next | current) counted over `_demo_documents`, floored at _FLOOR.
+    A current token the documents never show is followed by what follows `</think>\n`."""
+    import torch
+
+    counts = torch.zeros(vocab, vocab)
+    for doc in _demo_documents(seed):
+        ids = tok.encode(doc).ids
+        for a, b in zip(ids, ids[1:]):
+            counts[a, b] += 1
+    newline = tok.encode("\n").ids[-1]
+    unseen = counts.sum(1) == 0
+    counts[unseen] = counts[newline].clone()
+    think = tok.token_to_id("<think>")
+    counts[:, think] = 0  # only the previous-token flag starts thinking
+    probs = counts / counts.sum(1, keepdim=True)
+    return probs.clamp_min(1e-30).log().clamp_min(_FLOOR)
+
+
+def _word_pair_head(tensors: dict, spec, tok, seed: int) -> None:
+    """Turn the random model into one that babbles the demo text, thinking first, as GLM does.
+
+    The transformer layers stay random but write only a little into the residual stream (their
+    output projections are scaled down), so the logits mostly depend on the current token:
+    embedding and lm_head are a rank-60 factorisation of a word-pair table (`_word_pair_logits`).
+    One attention head of layer 0 attends to the previous position (its query and key are
+    constant vectors whose rotary phases agree at distance 1) and copies an "is <|assistant|>"
+    flag, so the token after `<|assistant|>\n`, the end of a thinking prompt, is `<think>`;
+    after `<think></think>\n` (thinking off) the answer starts directly.
+    """
+    import torch
+
+    from ..engine.layers.rotary import RotaryEmbedding, apply_rotary
+
+    g = torch.Generator().manual_seed(seed + 1)
+    prefix = "model.language_model"
+    embed = tensors[f"{prefix}.embed_tokens.weight"].float()
+    vocab, hidden = embed.shape
+    rank = hidden - 4  # dims [0, rank): the table; rank: constant; 62, 63: the flag
+    logits = _word_pair_logits(tok, vocab, seed)
+    u, sv, _ = torch.linalg.svd(logits - logits.mean(), full_matrices=False)
+    feats = torch.zeros(vocab, hidden)
+    feats[:, :rank] = u[:, :rank] * sv[:rank].sqrt()
+    feats[:, rank] = feats[:, :rank].norm(dim=1).mean() / 4
+    feats = feats / feats.pow(2).mean(1, keepdim=True).sqrt()  # the final RMSNorm sees these rows
+    head = torch.zeros(vocab, hidden)
+    head[:, :rank + 1] = torch.linalg.lstsq(feats[:, :rank + 1], logits).solution.T
+    assistant, think = tok.token_to_id("<|assistant|>"), tok.token_to_id("<think>")
+    feats[assistant] = 0
+    feats[assistant, _FLAG_IN] = hidden ** 0.5  # after RMSNorm: exactly this value
+    head[think, _FLAG_OUT] = 5.0
+    tensors[f"{prefix}.embed_tokens.weight"] = feats
+    tensors["lm_head.weight"] = head
+    for name in list(tensors):
+        if name.endswith("norm.weight") and name.startswith(prefix):
+            tensors[name] = torch.ones_like(tensors[name])
+        if name.startswith(f"{prefix}.layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = tensors[name].float() * 0.01
+
+    # Layer 0, head 0: attend to position p-1 and copy the flag into dim _FLAG_OUT.
+    attn = f"{prefix}.layers.0.self_attn"
+    d, r = spec.head_dim, spec.rope.rotary_dim
+    q = torch.zeros(d)
+    for i in range(3):  # the three fastest rotary frequencies; amplitude sets the sharpness
+        q[i] = 12.0
+    cos, sin = RotaryEmbedding(spec.rope).cos_sin(torch.ones(3, 1, dtype=torch.long), torch.float32)
+    k = apply_rotary(q.view(1, 1, d), cos, sin).view(d)
+    qw, qb = tensors[f"{attn}.q_proj.weight"].float(), tensors[f"{attn}.q_proj.bias"].float()
+    kw, kb = tensors[f"{attn}.k_proj.weight"].float(), tensors[f"{attn}.k_proj.bias"].float()
+    vw, vb = tensors[f"{attn}.v_proj.weight"].float(), tensors[f"{attn}.v_proj.bias"].float()
+    ow = tensors[f"{attn}.o_proj.weight"].float()
+    per_kv = spec.num_heads // spec.num_kv_heads
+    qw[:d * per_kv], qb[:d * per_kv] = 0, 0  # heads sharing key/value head 0
+    qb[:d] = q
+    kw[:d], kb[:d] = 0, k
+    vw[:d], vb[:d] = 0, 0
+    vw[0, _FLAG_IN] = 1.0
+    ow[:, :d * per_kv] = 0
+    ow[_FLAG_OUT, 0] = 1.0
+    # Nothing else writes the flag dims.
+    for name in list(tensors):
+        if name.startswith(f"{prefix}.layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
+            w = ow if name == f"{attn}.o_proj.weight" else tensors[name].float()
+            w[_FLAG_IN] = 0
+            if name != f"{attn}.o_proj.weight":
+                w[_FLAG_OUT] = 0
+            tensors[name] = w
+    tensors.update({f"{attn}.q_proj.weight": qw, f"{attn}.q_proj.bias": qb, f"{attn}.k_proj.weight": kw,
+                    f"{attn}.k_proj.bias": kb, f"{attn}.v_proj.weight": vw, f"{attn}.v_proj.bias": vb})
+    for name, t in tensors.items():
+        if not name.endswith("e_score_correction_bias"):
+            tensors[name] = t.to(torch.bfloat16)
 
 
 def _hub_order(name: str):

@@ -326,23 +326,39 @@ class History:
     # ---- export --------------------------------------------------------------------------
 
     def export_json(self, cid: str, *, embed_images: bool = True) -> str:
-        """The whole conversation as JSON; images inline as data: URLs unless `embed_images` is off."""
+        """The whole conversation as JSON; images inline as data: URLs unless `embed_images` is off.
+
+        GLM grounding boxes read as in the chat: "[box N]" in `text`, and `boxes` lists each
+        label's [x1, y1, x2, y2] on the model's 0..1000 image grid; `raw_text` keeps the model's
+        own box tokens when they differ."""
+        from localchat.app.ui_boxes import box_coordinates, label_answer
+
         conv = self.get(cid)
+        messages = []
+        for m in conv.messages:
+            msg = {"role": m.role, "text": m.text, "reasoning": m.reasoning, "status": m.status,
+                   "stats": m.stats, "created": m.created,
+                   "images": [self._image_ref(s, embed_images) for s in m.images]}
+            if m.role == "assistant":
+                text, boxes = label_answer(m.text)
+                if text != m.text:
+                    msg.update(text=text, raw_text=m.text)
+                if boxes:
+                    msg["boxes"] = [{"label": f"box {n}", "xyxy_0_1000": box_coordinates(b)}
+                                    for n, b in enumerate(boxes, 1)]
+            messages.append(msg)
         out = {
             "format": "localchat-conversation", "version": SCHEMA_VERSION, "id": conv.id,
             "title": conv.title, "created": conv.created, "updated": conv.updated,
-            "settings": asdict(conv.settings),
-            "messages": [
-                {"role": m.role, "text": m.text, "reasoning": m.reasoning, "status": m.status,
-                 "stats": m.stats, "created": m.created,
-                 "images": [self._image_ref(s, embed_images) for s in m.images]}
-                for m in conv.messages
-            ],
+            "settings": asdict(conv.settings), "messages": messages,
         }
         return json.dumps(out, ensure_ascii=False, indent=2)
 
     def export_markdown(self, cid: str, *, embed_images: bool = True) -> str:
-        """Readable Markdown; reasoning goes into a collapsed <details> block (GitHub renders it)."""
+        """Readable Markdown; reasoning goes into a collapsed <details> block (GitHub renders it).
+        Grounding boxes read "[box N]" as in the chat, with their coordinates listed below."""
+        from localchat.app.ui_boxes import box_coordinates, label_answer
+
         conv = self.get(cid)
         lines = [f"# {conv.title}", ""]
         if conv.settings.system_prompt:
@@ -354,7 +370,11 @@ class History:
                 lines += [f"![image {i + 1}]({ref.get('data_url') or ref['file']})", ""]
             if m.reasoning:
                 lines += ["<details><summary>Thinking</summary>", "", m.reasoning, "", "</details>", ""]
-            lines += [m.text, ""]
+            text, boxes = label_answer(m.text) if m.role == "assistant" else (m.text, [])
+            lines += [text, ""]
+            if boxes:
+                lines += ["Boxes, as [x1, y1, x2, y2] on a 0–1000 grid over the image:", ""]
+                lines += [f"- box {n}: {box_coordinates(b)}" for n, b in enumerate(boxes, 1)] + [""]
             if m.status not in (DONE,):
                 lines += [f"*({m.status})*", ""]
         return "\n".join(lines)

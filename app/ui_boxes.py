@@ -12,11 +12,14 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from PIL import Image, ImageDraw, ImageFont
 
-from localchat.app.history import History
 from localchat.engine.runtime.reasoning import Box, parse_boxes
+
+if TYPE_CHECKING:  # history.py's exports use label_answer: no import cycle at run time
+    from localchat.app.history import History
 
 BEGIN, END = "<|begin_of_box|>", "<|end_of_box|>"
 _SPAN = re.compile(re.escape(BEGIN) + r"(.*?)" + re.escape(END), re.S)
@@ -48,6 +51,11 @@ def label_answer(text: str, *, live: bool = False) -> tuple[str, list[Box]]:
         tail = tail[:tail.index(BEGIN)]
     out.append(tail.replace(BEGIN, "").replace(END, ""))
     return "".join(out), boxes
+
+
+def box_coordinates(box: Box) -> list[float]:
+    """[x1, y1, x2, y2] on the model's 0..1000 grid, integers where they are whole."""
+    return [int(v) if float(v).is_integer() else v for v in (box.x1, box.y1, box.x2, box.y2)]
 
 
 def pixel_rect(box: Box, width: int, height: int) -> tuple[int, int, int, int]:

@@ -31,7 +31,7 @@ def render(messages: list[StoredMessage], history: History) -> tuple[list[dict],
                 content.append(m.text)
             add({"role": "user", "content": content or [""]}, m.position)
             for note in m.stats.get("notes", []):
-                add({"role": "assistant", "content": note, "metadata": {"title": "ℹ️ Image downscaled",
+                add({"role": "assistant", "content": note, "metadata": {"title": "Image downscaled",
                                                                        "status": "done"}}, m.position)
             continue
         live = m.status == PARTIAL
@@ -41,8 +41,12 @@ def render(messages: list[StoredMessage], history: History) -> tuple[list[dict],
                 meta["duration"] = round(m.stats["thinking_s"], 1)
             add({"role": "assistant", "content": m.reasoning, "metadata": meta}, m.position)
         text, boxes = label_answer(m.text, live=live)
+        if m.status == ERROR and m.stats.get("error"):
+            # Shown in the answer's place, not only inside the collapsed status line.
+            text = (text + "\n\n" if text else "") + f"⚠️ {m.stats['error']}"
         if text or not m.reasoning:
-            add({"role": "assistant", "content": text or ("…" if live else "(no answer)")}, m.position)
+            add({"role": "assistant", "content": text or ("…" if live else _EMPTY.get(m.status, "(no answer)"))},
+                m.position)
         # Drawn once the answer is complete: mid-stream the box list is still growing.
         drawn = None if live else boxes_message(history, boxes, turn_images, earlier_images)
         if drawn is not None:
@@ -52,6 +56,9 @@ def render(messages: list[StoredMessage], history: History) -> tuple[list[dict],
             add({"role": "assistant", "content": details, "metadata": {"title": summary, "status": "done"}},
                 m.position)
     return out, positions
+
+
+_EMPTY = {STOPPED: "(stopped before the answer began)", INTERRUPTED: "(interrupted before the answer began)"}
 
 
 def answer_stats(final: Final | None, context_length: int, thinking_s: float | None) -> dict:
@@ -69,7 +76,8 @@ def answer_stats(final: Final | None, context_length: int, thinking_s: float | N
 def status_line(m: StoredMessage) -> tuple[str, str]:
     """(one-line summary shown as the collapsed title, the TTFT split shown when opened)."""
     s = m.stats
-    mark = {DONE: "", STOPPED: "⏹ stopped · ", INTERRUPTED: "⚠ interrupted · ", ERROR: "⚠ error · "}
+    # Words, not symbols: emoji fonts are missing on many Linux desktops.
+    mark = {DONE: "", STOPPED: "stopped · ", INTERRUPTED: "interrupted · ", ERROR: "error · "}
     head = mark.get(m.status, "")
     if "prompt_tokens" not in s:
         return head.rstrip(" ·") or "no statistics", "The answer ended before the engine reported timings."
@@ -88,8 +96,21 @@ def status_line(m: StoredMessage) -> tuple[str, str]:
 
 
 def model_markdown(info: ModelInfo) -> str:
+    """The model panel: which model, where its weights live (as the engine reports its placement
+    over devices, one line per entry), and how much memory they take."""
     reasoning = "thinking on/off (GLM)" if info.reasoning == "thinking" else "reasoning effort low/medium/high"
-    weights = f"{info.weights_bytes / 1e9:.1f} GB" if info.weights_bytes else "unknown"
+    weights = _bytes(info.weights_bytes) if info.weights_bytes else "unknown"
+    parts = [p.strip() for p in str(info.placement).replace(";", "\n").splitlines() if p.strip()] or ["unknown"]
+    placement = parts[0] if len(parts) == 1 else "".join(f"\n- {p}" for p in parts)
     return (f"**{info.name}** ({info.family})  \n"
-            f"context {info.context_length:,} tokens · images {'yes' if info.supports_images else 'no'}  \n"
-            f"reasoning: {reasoning}  \nplacement: {info.placement} · weights {weights}")
+            f"context {info.context_length:,} tokens · images {'yes' if info.supports_images else 'no'} · "
+            f"reasoning: {reasoning}  \n"
+            f"weights in memory: {weights}  \n"
+            f"placement: {placement}")
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

@@ -100,9 +100,9 @@ def apply_rotary_ref(q, k, cos, sin, v=None, k_cache=None, v_cache=None, slot_ma
 
     q_out, k_out = rot(q), rot(k)
     if slot_mapping is not None:
-        block_size = k_cache.shape[1]
-        for i, slot in enumerate(slot_mapping.tolist()):
-            if slot >= 0:
-                k_cache[slot // block_size, slot % block_size] = k_out[i]
-                v_cache[slot // block_size, slot % block_size] = v[i]
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        for cache, new in ((k_cache, k_out), (v_cache, v)):
+            flat = cache.view(-1, *cache.shape[2:])  # [blocks * block_size, Hkv, D]
+            flat.index_copy_(0, slots, new[keep].to(cache.dtype))
     return q_out, k_out

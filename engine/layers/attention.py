@@ -1,6 +1,7 @@
 """Causal self-attention with GQA, optional attention sinks and sliding window.
 
-CUDA runs the Triton attention kernels; elsewhere their torch references (same signatures) run.
+CUDA runs the Triton kernels (rotary fused with the cache write, paged attention); elsewhere
+their torch references (same signatures) run.
 Keys and values live in a paged cache (engine/runtime/kv_cache.py); a ForwardBatch says which slots.
 """
 from __future__ import annotations
@@ -9,10 +10,10 @@ import torch
 
 from ...kernels.attention_decode import paged_decode_attention, paged_decode_attention_ref
 from ...kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
+from ...kernels.rotary import apply_rotary, apply_rotary_ref
 from ..parallel.context import SINGLE, ParallelContext
 from ..spec import ModelSpec
 from .linear import linear
-from .rotary import apply_rotary
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
@@ -59,7 +60,9 @@ class SelfAttention:
         q = linear(x, self.q, self.q_b).view(t, self.heads, self.head_dim)
         k = linear(x, self.k, self.k_b).view(t, self.kv_heads, self.head_dim)
         v = linear(x, self.v, self.v_b).view(t, self.kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        cache.write(self.layer, batch.slot_mapping, k, v)
-        out = paged_attention(q, cache.k[self.layer], cache.v[self.layer], batch, self.scale, self.sinks, self.window)
+        k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
+        # One pass rotates q and k and stores the new keys and values in the paged cache.
+        rotary = apply_rotary if x.is_cuda else apply_rotary_ref
+        q, _ = rotary(q, k, cos, sin, v, k_cache, v_cache, batch.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, batch, self.scale, self.sinks, self.window)
         return linear(out.reshape(t, -1), self.o, self.o_b)

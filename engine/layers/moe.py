@@ -32,7 +32,8 @@ class MoeBlock:
         m = self.moe = spec.moe
         ex = f"{prefix}.experts"
         if m.router == "sigmoid_bias":
-            self.router_weight = weights[f"{prefix}.gate.weight"]
+            # GLM scores experts in float32 (sigmoid of x W^T); converted once here, not every step.
+            self.router_weight = weights[f"{prefix}.gate.weight"].to(torch.float32)
             self.router_bias = weights[f"{prefix}.gate.e_score_correction_bias"]
         else:
             self.router_weight = weights[f"{prefix}.router.weight"]
@@ -56,8 +57,8 @@ class MoeBlock:
         """x [T, H] -> routing weights [T, k] float32 and expert ids [T, k]."""
         m, on_gpu = self.moe, x.is_cuda
         if m.router == "sigmoid_bias":
-            # GLM scores experts in float32 (sigmoid of x W^T); the correction bias steers only the choice.
-            logits = F.linear(x.to(torch.float32), self.router_weight.to(torch.float32))
+            # The correction bias steers only the choice of experts, not their weights.
+            logits = F.linear(x.to(torch.float32), self.router_weight)
             route = route_glm if on_gpu else route_glm_ref
             return route(logits, self.router_bias, m.top_k, m.norm_topk_prob, m.routed_scaling_factor,
                          m.n_group, m.topk_group)

@@ -1,8 +1,20 @@
-"""RMSNorm in the two flavours the supported checkpoints were trained with, and LayerNorm."""
+"""RMSNorm in the two flavours the supported checkpoints were trained with (alone, and fused with
+the residual add: a Triton kernel on CUDA, its torch reference elsewhere), and LayerNorm."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ...kernels.rmsnorm import add_rms_norm as add_rms_norm_kernel
+from ...kernels.rmsnorm import add_rms_norm_ref
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 weight_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, D] -> (rms_norm(x + residual), x + residual); residual None: (rms_norm(x), x).
+    One pass over the residual stream instead of an add and a norm."""
+    fn = add_rms_norm_kernel if x.is_cuda else add_rms_norm_ref
+    return fn(x, residual, weight, eps, weight_first)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_first: bool = False) -> torch.Tensor:

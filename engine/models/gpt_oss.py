@@ -6,7 +6,7 @@ import torch
 
 from ..layers.attention import SelfAttention
 from ..layers.moe import MoeBlock
-from ..layers.norm import rms_norm
+from ..layers.norm import add_rms_norm
 from ..layers.rotary import RotaryEmbedding
 from ..layers.vocab import VocabEmbedding, VocabHead
 from ..parallel.context import SINGLE, ParallelContext
@@ -47,10 +47,13 @@ class GptOssModel:
         eps = self.spec.rms_norm_eps
         cos, sin = self.rotary.cos_sin(batch.rope_positions, h.dtype)
         reduce = self.ctx.all_reduce
-        for in_norm, attn, post_norm, moe in self.layers:
-            h = h + reduce(attn(rms_norm(h, in_norm, eps, weight_first=True), cos, sin, batch, cache))
-            h = h + reduce(moe(rms_norm(h, post_norm, eps, weight_first=True)))
-        return rms_norm(h, self.norm, eps, weight_first=True)
+        # The residual stream runs beside the layers; each norm also adds the previous block's output.
+        out, residual = h, None
+        for in_norm, attn, post_norm, mlp in self.layers:
+            x, residual = add_rms_norm(out, residual, in_norm, eps, weight_first=True)
+            x, residual = add_rms_norm(reduce(attn(x, cos, sin, batch, cache)), residual, post_norm, eps, weight_first=True)
+            out = reduce(mlp(x))
+        return add_rms_norm(out, residual, self.norm, eps, weight_first=True)[0]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, hidden] -> float32 logits [T, vocab] (gathered from every rank's vocabulary rows)."""

@@ -19,12 +19,13 @@ import torch
 
 from ..spec import ModelSpec
 from .block_pool import BlockPool
+from .decode_graphs import DecodeGraphs
 from .kv_budget import plan_num_blocks
 from .kv_cache import PagedKVCache
 from .prefix_cache import image_spans
 from .prompt import ChatFormatter
 from .request import ChatRequest, Final, ModelInfo, Timings
-from .sampling import Sampler
+from .sampling import Sampler, sample_tokens
 from .scheduler import Scheduler
 from .sequence import EngineStream, Sequence, Status
 from .step_runner import StepRunner
@@ -52,7 +53,8 @@ class Engine:
     """Serving options (keyword-only): block_size tokens per KV block; num_blocks or max_kv_tokens
     size the KV pool (default: the GPU memory left after the weights, or 16k tokens on CPU);
     max_batch_tokens is the per-step token budget (prefill chunk size); max_running caps the
-    sequences decoded together.
+    sequences decoded together. cuda_graphs (default: on for CUDA, single process) replays decode
+    steps from captured graphs; each batch-size bucket is captured on first use, or all by `warmup()`.
 
     tp > 1 splits the model over tp processes, one per GPU (`gpus`, default 0..tp-1; on the CPU,
     tp processes), each reading only its slices of the checkpoint; ep splits the routed experts
@@ -106,7 +108,7 @@ class Engine:
     def _setup(self, spec, model, formatter, device, dtype, name, max_context, weights_bytes, *,
                block_size: int = 16, num_blocks: int | None = None, max_kv_tokens: int | None = None,
                max_batch_tokens: int | None = None, max_running: int = 64,
-               kv_headroom_bytes: int | None = None) -> None:
+               kv_headroom_bytes: int | None = None, cuda_graphs: bool | None = None) -> None:
         self.spec, self.model, self.formatter = spec, model, formatter
         self.device, self.dtype, self.name = device, dtype, name
         self.weights_bytes = weights_bytes
@@ -118,18 +120,27 @@ class Engine:
                             max_batch_tokens=self.max_batch_tokens, max_running=max_running,
                             num_blocks=num_blocks, max_kv_tokens=max_kv_tokens, headroom_bytes=kv_headroom_bytes,
                             kv_heads=kv_heads, mem_info=self.workers.mem_info if self.workers else None)
-        self.cache = PagedKVCache(spec.num_layers, n, block_size, kv_heads, spec.head_dim, dtype, device)
+        # Graph capture of the tensor-parallel step (collectives inside) is not done yet: it runs eagerly.
+        use_graphs = self.workers is None and (cuda_graphs if cuda_graphs is not None else device.type == "cuda")
+        # With graphs, one block beyond the pool: the scratch block that padded rows write to.
+        self.cache = PagedKVCache(spec.num_layers, n + int(use_graphs), block_size, kv_heads, spec.head_dim, dtype,
+                                  device)
         self.pool = BlockPool(n)
         self.scheduler = Scheduler(self.pool, block_size, self.max_batch_tokens, max_running)
         if self.workers is not None:
             self.runner = self.workers.step_runner(model, self.cache, device, dtype)
         else:
-            self.runner = StepRunner(model, self.cache, device, dtype)
+            graphs = None
+            if use_graphs:
+                graphs = DecodeGraphs(model, self.cache, dtype, device, max_batch=max_running,
+                                      max_blocks=-(-self.context_limit // block_size), scratch_block=n,
+                                      mrope=spec.family == "glm4v_moe")
+            self.runner = StepRunner(model, self.cache, device, dtype, graphs)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", n, block_size,
                  self.cache.k.numel() * self.cache.k.element_size() * 2 / 2**30)
         self._ids = itertools.count()
         self._format_lock = threading.Lock()
-        self._inbox: queue.Queue[Sequence | None] = queue.Queue()
+        self._inbox: queue.Queue = queue.Queue()  # Sequence, a callable for the engine thread, or None
         self._stopped = False
         self._worker = threading.Thread(target=self._run, name="localchat-engine", daemon=True)
         self._worker.start()
@@ -165,13 +176,46 @@ class Engine:
         self._inbox.put(seq)
         return stream
 
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        graphs = self.runner.graphs
+        return graphs is not None and graphs.capture
+
+    def warmup(self) -> float:
+        """Captures the decode graph of every batch-size bucket now (a server does this before its
+        first request, so no chat waits for a capture). Returns the seconds it took."""
+        graphs = self.runner.graphs
+        if not self.uses_cuda_graphs:
+            return 0.0
+        done, failure = threading.Event(), []
+
+        def capture() -> None:  # runs on the engine thread, which owns the GPU work
+            try:
+                graphs.capture_all()
+            except Exception as e:
+                failure.append(e)
+            finally:
+                done.set()
+
+        self._inbox.put(capture)
+        done.wait()
+        if failure:
+            raise RuntimeError(f"capturing the decode graphs failed ({failure[0]}); start with CUDA graphs "
+                               "off to run decode steps eagerly") from failure[0]
+        return graphs.capture_seconds
+
     def counters(self) -> dict[str, int]:
         """Running totals for tests and benchmarks."""
         c = self.runner.counters
-        return {"steps": c.steps, "computed_tokens": c.computed_tokens, "images_encoded": c.images_encoded,
+        return {"steps": c.steps, "graph_steps": c.graph_steps, "computed_tokens": c.computed_tokens, "images_encoded": c.images_encoded,
                 "images_skipped": c.images_skipped, "preemptions": self.scheduler.preemptions,
                 "prefix_hit_tokens": self.scheduler.prefix_hit_tokens, "evictions": self.pool.evictions,
                 "free_blocks": self.pool.num_free, "num_blocks": self.pool.num_blocks}
+
+    def decode_step_times(self) -> dict[int, tuple[int, float]]:
+        """Batch size -> (decode steps replayed from a graph, their total seconds including
+        sampling and streaming): the steady-state step time at each batch size."""
+        return dict(self.runner.counters.decode_by_batch)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the engine thread; requests still in flight end with Final("abort")."""
@@ -225,6 +269,9 @@ class Engine:
                 return True
             if seq is None:
                 return False
+            if callable(seq):  # work that must run on the engine thread (warmup)
+                seq()
+                continue
             self.scheduler.add(seq)
             block = False
 
@@ -261,20 +308,43 @@ class Engine:
             if seq is not None:
                 self._finish(seq, "abort")
 
+    def _sample(self, sampling: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
+        """One token per sequence, all rows at once; if that fails, row by row so only the
+        request whose settings broke it gets the error."""
+        contexts = [seq.penalty_context(logits.device) for seq in sampling]
+        try:
+            return sample_tokens(logits, [seq.sampler for seq in sampling], contexts)
+        except Exception:
+            out: list[int | Exception] = []
+            for row, seq in enumerate(sampling):
+                try:
+                    out += sample_tokens(logits[row:row + 1], [seq.sampler], [contexts[row]])
+                except Exception as e:  # e.g. sampling settings that leave no token
+                    log.exception("sampling failed")
+                    out.append(e)
+            return out
+
     def _step(self, plan: list[tuple[Sequence, int]]) -> None:
+        start, graph_steps = time.perf_counter(), self.runner.counters.graph_steps
+        try:
+            self._run_and_stream(plan)
+        finally:
+            if self.runner.counters.graph_steps > graph_steps:
+                self.runner.counters.record_decode(len(plan), time.perf_counter() - start)
+
+    def _run_and_stream(self, plan: list[tuple[Sequence, int]]) -> None:
         sampling, logits = self.runner.run(plan)
         done = time.perf_counter()
         self.scheduler.commit(plan)
-        for row, seq in enumerate(sampling):
+        if not sampling:
+            return
+        for seq, token in zip(sampling, self._sample(sampling, logits)):
             if seq.clock.prefill_done is None:
                 seq.clock.prefill_done = done
-            try:
-                token = seq.sampler(logits[row], seq.penalty_context(logits.device))
-                reason = seq.append_token(token)
-            except Exception as e:  # e.g. sampling settings that leave no token: this request only
-                log.exception("sampling failed")
-                self._finish(seq, "error", f"{type(e).__name__}: {e}")
+            if isinstance(token, Exception):
+                self._finish(seq, "error", f"{type(token).__name__}: {token}")
                 continue
+            reason = seq.append_token(token)
             if reason is not None:
                 self._finish(seq, reason)
 

@@ -1,5 +1,9 @@
-"""Next-token choice from logits: greedy, or temperature with top-k / top-p / min-p filters and a
-repetition penalty, reproducible under a seed."""
+"""Next-token choice for a whole step at once: greedy, or temperature with top-k / top-p / min-p
+filters and a repetition penalty, each row with its own settings and its own seeded generator.
+
+The rows of a step are filtered together on the device and the chosen ids come back to the host
+in one transfer, so a step of 32 sequences costs one synchronisation, not 32.
+"""
 from __future__ import annotations
 
 import torch
@@ -18,26 +22,34 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return logits
 
 
+def filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """sorted_logits [B, V] float32, each row in descending order and already divided by its
+    temperature; top_k [B] (0: off), top_p [B] (1.0: off), min_p [B] (0.0: off). Returns the
+    rows with excluded entries at -inf. Filters apply in the order top-k, top-p, min-p."""
+    vocab = sorted_logits.shape[-1]
+    rank = torch.arange(vocab, device=sorted_logits.device)
+    keep_k = torch.where(top_k > 0, top_k, vocab)
+    x = sorted_logits.masked_fill(rank[None, :] >= keep_k[:, None], float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    mass_before = probs.cumsum(-1) - probs
+    x = x.masked_fill((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    return x.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [V] float32, already divided by the temperature -> logits with excluded ids at -inf."""
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    if params.min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return logits
+    sorted_logits, order = torch.sort(logits[None], dim=-1, descending=True)
+    dev = logits.device
+    kept = filter_sorted(sorted_logits, torch.tensor([params.top_k], device=dev),
+                         torch.tensor([params.top_p], device=dev), torch.tensor([params.min_p], device=dev))
+    return torch.empty_like(logits).scatter_(0, order[0], kept[0])
 
 
 class Sampler:
-    """One per request; holds the request's random generator."""
+    """One per request: its settings and its random generator (seeded when the request says so)."""
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
         self.params = params
@@ -49,12 +61,43 @@ class Sampler:
             else:
                 self.generator.seed()
 
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature <= 0
+
     def __call__(self, logits: torch.Tensor, context_ids: torch.Tensor) -> int:
         """logits [V] float32; context_ids: prompt and generated ids so far."""
-        p = self.params
-        logits = apply_repetition_penalty(logits.to(torch.float32), context_ids, p.repetition_penalty)
-        if p.temperature <= 0:
-            return int(torch.argmax(logits))
-        logits = filter_logits(logits / p.temperature, p)
-        probs = torch.softmax(logits, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return sample_tokens(logits[None], [self], [context_ids])[0]
+
+
+def sample_tokens(logits: torch.Tensor, samplers: list[Sampler], contexts: list[torch.Tensor | None]) -> list[int]:
+    """logits [B, V] (any float dtype); samplers[b] and contexts[b] (ids for the repetition
+    penalty, or None) belong to row b. Returns the B chosen ids."""
+    logits = logits.to(torch.float32)
+    penalised = [b for b, s in enumerate(samplers) if s.params.repetition_penalty != 1.0]
+    if penalised:
+        logits = logits.clone()
+        for b in penalised:
+            ctx = contexts[b]
+            if ctx is not None:
+                logits[b] = apply_repetition_penalty(logits[b], ctx, samplers[b].params.repetition_penalty)
+    choice = logits.argmax(dim=-1)
+    rows = [b for b, s in enumerate(samplers) if not s.greedy]
+    if rows:
+        dev = logits.device
+        params = [samplers[b].params for b in rows]
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        sorted_logits, order = torch.sort(logits[rows] / temps[:, None], dim=-1, descending=True)
+        kept = filter_sorted(sorted_logits,
+                             torch.tensor([p.top_k for p in params], device=dev),
+                             torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+                             torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev))
+        probs = torch.softmax(kept, dim=-1)
+        # argmax(p / E) with E ~ Exp(1) draws index i with probability p_i (the exponential race);
+        # each row draws from its own request's generator so a seed reproduces its answer.
+        race = torch.empty_like(probs)
+        for i, b in enumerate(rows):
+            race[i].exponential_(generator=samplers[b].generator)
+        picked = order.gather(1, (probs / race).argmax(dim=-1, keepdim=True))[:, 0]
+        choice = choice.index_copy(0, torch.tensor(rows, device=dev), picked)
+    return choice.tolist()

@@ -1,27 +1,39 @@
 """One forward step over a packed batch: the planned tokens of every sequence (prefill chunks
 and decode tokens mixed) -> logits for the sequences whose last token was fed.
 
-Images are encoded here, once per admission, right before the first chunk that needs them;
-images whose tokens all lie in reused prefix blocks are not encoded at all.
+Steps that only decode (one token per sequence, no image features) replay a captured CUDA graph
+when `graphs` is given (decode_graphs.py); the others run eagerly. Images are encoded here, once
+per admission, right before the first chunk that needs them; images whose tokens all lie in
+reused prefix blocks are not encoded at all.
 """
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from .decode_graphs import DecodeGraphs
 from .forward_batch import ForwardBatch
 from .kv_cache import PagedKVCache
 from .sequence import Sequence
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class StepCounters:
     steps: int = 0
+    graph_steps: int = 0  # decode steps replayed from a captured graph
     computed_tokens: int = 0  # tokens fed to the model (prefill and decode)
     images_encoded: int = 0
     images_skipped: int = 0  # images wholly inside reused prefix blocks
+    # batch size -> (graph decode steps, their seconds from launch to streamed tokens)
+    decode_by_batch: dict[int, tuple[int, float]] = field(default_factory=dict)
+
+    def record_decode(self, batch: int, seconds: float) -> None:
+        steps, total = self.decode_by_batch.get(batch, (0, 0.0))
+        self.decode_by_batch[batch] = (steps + 1, total + seconds)
 
 
 def _sync(device: torch.device) -> None:
@@ -30,11 +42,13 @@ def _sync(device: torch.device) -> None:
 
 
 class StepRunner:
-    def __init__(self, model, cache: PagedKVCache, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model, cache: PagedKVCache, device: torch.device, dtype: torch.dtype,
+                 graphs: DecodeGraphs | None = None):
         self.model = model
         self.cache = cache
         self.device = device
         self.dtype = dtype
+        self.graphs = graphs
         self.vision = model.spec.vision is not None
         self.counters = StepCounters()
 
@@ -58,9 +72,41 @@ class StepRunner:
         seq.clock.image_encode += time.perf_counter() - t0
         self.counters.images_encoded += len(todo)
 
+    def _graph_ready(self, plan: list[tuple[Sequence, int]]) -> bool:
+        """True when every sequence feeds its one last token and needs no image features."""
+        g = self.graphs
+        if g is None or len(plan) > g.max_batch:
+            return False
+        for seq, n in plan:
+            if n != 1 or seq.num_computed + 1 != len(seq.tokens) or -(-len(seq.tokens) // self.cache.block_size) > g.max_blocks:
+                return False
+            if seq.spans and seq.num_computed < seq.spans[-1].end:
+                return False
+        return True
+
+    def _run_graph(self, plan: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        bs = self.cache.block_size
+        seqs = [seq for seq, _ in plan]
+        pos = [seq.num_computed for seq in seqs]
+        logits = self.graphs.run(
+            [seq.tokens[p] for seq, p in zip(seqs, pos)],
+            torch.cat([seq.rope_positions(p, p + 1) for seq, p in zip(seqs, pos)], dim=-1),
+            [seq.blocks[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)],
+            [p + 1 for p in pos], [seq.blocks for seq in seqs])
+        self.counters.steps += 1
+        self.counters.graph_steps += 1
+        self.counters.computed_tokens += len(seqs)
+        return seqs, logits
+
     def run(self, plan: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor | None]:
         """plan: (sequence, tokens to feed) pairs. Returns the sequences to sample from now and
         their float32 logits [len(those), vocab] in the same order."""
+        if self._graph_ready(plan):
+            try:
+                return self._run_graph(plan)
+            except Exception as e:  # a kernel that cannot be captured must not stop the chat
+                log.warning("decode graph failed (%s: %s); decoding eagerly from now on", type(e).__name__, e)
+                self.graphs = None
         inputs, sampling = self.prepare(plan)
         return sampling, self.execute(inputs)
 

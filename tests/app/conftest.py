@@ -1,4 +1,4 @@
-"""Fixtures for the app tests: a History in a tmp dir and the fake engine."""
+"""Fixtures for the app tests: a History in a tmp dir, the fake engine, the real engine on the demo model."""
 import sys
 from pathlib import Path
 
@@ -20,3 +20,20 @@ def history(tmp_path):
 @pytest.fixture
 def engine():
     return FakeEngine()
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint(tmp_path_factory):
+    from localchat.app.demo import ensure_demo
+
+    return ensure_demo(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="session")
+def demo_runtime(demo_checkpoint):
+    """One engine on the demo checkpoint for every test that needs it (it loads in seconds)."""
+    from localchat.engine.runtime.engine import Engine
+
+    engine = Engine(demo_checkpoint, device="cpu", name="demo")
+    yield engine
+    engine.shutdown()

@@ -91,6 +91,24 @@ def test_export_json_and_markdown(tmp_path):
     assert md.index("## User") < md.index("## Assistant") < md.index("An answer with $x^2$.")
 
 
+def test_exports_show_grounding_boxes_as_the_chat_does(tmp_path):
+    h = History(tmp_path)
+    cid = h.create("Boxes")
+    h.add_message(cid, "user", "where are the cats?")
+    mid = h.begin_answer(cid)
+    raw = ("Two cats: <|begin_of_box|>[[10,20,300,400],[500,520,990,1000]]<|end_of_box|> and a dog "
+           "<|begin_of_box|>[12.5,0,40,60]<|end_of_box|>.")
+    h.finish_answer(mid, raw, "", {})
+    data = json.loads(h.export_json(cid))
+    answer = data["messages"][1]
+    assert answer["text"] == "Two cats: [box 1, box 2] and a dog [box 3]." and answer["raw_text"] == raw
+    assert [b["xyxy_0_1000"] for b in answer["boxes"]] == [[10, 20, 300, 400], [500, 520, 990, 1000], [12.5, 0, 40, 60]]
+    assert "begin_of_box" not in data["messages"][0]["text"] and "boxes" not in data["messages"][0]
+    md = h.export_markdown(cid)
+    assert "<|" not in md and "Two cats: [box 1, box 2] and a dog [box 3]." in md
+    assert "- box 1: [10, 20, 300, 400]" in md and "- box 3: [12.5, 0, 40, 60]" in md
+
+
 _WRITER = r"""
 import sys, time
 from localchat.app.history import History

@@ -177,3 +177,14 @@ def test_non_loopback_needs_auth_and_key(engine, history):
         serve(engine, history=history, host="0.0.0.0", open_browser=False)
     with pytest.raises(ValueError, match="--api-key"):
         serve(engine, history=history, host="192.168.1.5", auth=("u", "p"), open_browser=False)
+
+
+def test_model_panel_shows_the_engines_placement_and_memory():
+    from localchat.app.ui_render import model_markdown
+    from localchat.engine.runtime.request import ModelInfo
+
+    one = model_markdown(ModelInfo("demo", "glm4v_moe", 8192, True, "thinking", "cpu", 1_556_672))
+    assert "placement: cpu" in one and "1.6 MB" in one and "8,192 tokens" in one
+    split = model_markdown(ModelInfo("glm-4.5v-fp8", "glm4v_moe", 65536, True, "thinking",
+                                     "cuda:0 layers 0-22; cuda:1 layers 23-45", 108_000_000_000))
+    assert "\n- cuda:0 layers 0-22\n- cuda:1 layers 23-45" in split and "108.0 GB" in split

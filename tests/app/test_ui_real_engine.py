@@ -1,39 +1,20 @@
 """The chat page over the real engine on the demo checkpoint (CPU): send text and two images,
 stream the answer, stop one mid-answer, and find both turns in the history."""
-import dataclasses
 import time
 
 import pytest
 from gradio_client import Client, handle_file
 
+from demo_engine import DemoEngine, slow_steps
 from live_server import LiveServer, png_bytes
-from localchat.app.demo import ensure_demo
+from localchat.app.history import STOPPED
 from localchat.app.ui import create_app
-from localchat.engine.runtime.engine import Engine
 
 
-class ShortAnswers:
-    """The real engine, with every answer capped at a few tokens so the test stays short."""
-
-    def __init__(self, engine: Engine, max_tokens: int):
-        self.engine, self.max_tokens = engine, max_tokens
-
-    def info(self):
-        return self.engine.info()
-
-    def counters(self):
-        return self.engine.counters()
-
-    def submit(self, request):
-        sampling = dataclasses.replace(request.sampling, max_tokens=min(request.sampling.max_tokens, self.max_tokens))
-        return self.engine.submit(dataclasses.replace(request, sampling=sampling))
-
-
-@pytest.fixture(scope="module")
-def demo_engine(tmp_path_factory):
-    engine = Engine(ensure_demo(tmp_path_factory.mktemp("demo")), device="cpu")
-    yield ShortAnswers(engine, max_tokens=48)
-    engine.shutdown()
+@pytest.fixture
+def demo_engine(demo_runtime, monkeypatch):
+    slow_steps(monkeypatch, demo_runtime, 0.04)  # so Stop lands mid-answer
+    return DemoEngine(demo_runtime, max_tokens=48)
 
 
 def _wait(job, timeout=60):
@@ -62,7 +43,9 @@ def test_page_streams_from_the_real_engine_and_stop_frees_the_pool(demo_engine, 
 
         client.predict({"text": "and now a long answer please", "files": []}, api_name="/send")
         job = client.submit(api_name="/generate")
-        time.sleep(0.2)
+        while len(job.outputs()) < 3:
+            assert not job.done(), "the second answer ended before Stop"
+            time.sleep(0.01)
         client.predict(api_name="/stop")
         _wait(job)
         deadline = time.time() + 10
@@ -73,3 +56,22 @@ def test_page_streams_from_the_real_engine_and_stop_frees_the_pool(demo_engine, 
     stored = history.get(cid).messages
     assert [m.role for m in stored][:4] == ["user", "assistant", "user", "assistant"]
     assert len(stored[0].images) == 2 and stored[1].text
+    # The engine's own Final says "abort": it stopped the request, not just the page's loop.
+    assert stored[3].status == STOPPED and stored[3].stats["finish_reason"] == "abort"
+    assert stored[3].stats["completion_tokens"] < 48
+
+
+def test_a_prompt_too_long_for_the_context_gets_a_message_with_the_limit(demo_checkpoint, history):
+    from localchat.app.ui import build_ui
+    from localchat.engine.runtime.engine import Engine
+
+    engine = Engine(demo_checkpoint, device="cpu", name="demo", max_context=48)
+    try:
+        ctl = build_ui(engine, history).localchat_controller
+        ctl.send({"text": "the quick brown fox " * 30, "files": []}, None, "", 0.7, 1.0, 0, 32, -1, True, "medium")
+        cid = history.list()[0][0]
+        chat = list(ctl.generate(True, cid))[-1]
+    finally:
+        engine.shutdown()
+    shown = [m["content"] for m in chat if m["role"] == "assistant" and not m.get("metadata")]
+    assert any("context holds 48" in c and "⚠️" in c for c in shown), shown

@@ -35,3 +35,17 @@ def test_glm_images_on_cuda(tmp_path):
     assert cold.counters()["images_skipped"] == 1
     cold.shutdown()
     torch.cuda.synchronize()
+
+
+def test_graph_decode_gives_the_eager_tokens_on_cuda(tmp_path):
+    tiny = tiny_gpt_oss(tmp_path, "cuda")
+    requests = [chat(("user", q), max_tokens=16) for q in QUESTIONS]
+    eager = tiny.engine(block_size=16, cuda_graphs=False)
+    expected = [collect(s)[0] for s in [eager.submit(r) for r in requests]]
+    engine = tiny.engine(block_size=16, max_running=8)
+    assert engine.warmup() > 0 and sorted(engine.runner.graphs.graphs) == [1, 2, 4, 8]
+    assert [collect(s)[0] for s in [engine.submit(r) for r in requests]] == expected
+    assert [collect(engine.submit(r))[0] for r in requests] == expected  # batch 1, prefix reuse
+    assert engine.counters()["graph_steps"] >= 15 * 2
+    eager.shutdown()
+    engine.shutdown()

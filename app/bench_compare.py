@@ -1,0 +1,120 @@
+"""`localchat bench --compare transformers`: the transformers implementation of the same model on
+the same random weights (dequantised to bf16), decoding greedily at batch 1 in the same process,
+against this engine at the same depth.
+
+Models whose bf16 copy does not fit beside the engine's are compared on their first layers
+(both engines cut to the same depth); the output says so.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+
+import torch
+
+from ..engine.model_configs import model_config
+from ..engine.models import build_model
+from ..engine.spec import ModelSpec
+from ..engine.weights.formats import DenseWeight
+
+BF16_BUDGET = 60e9  # bytes of bf16 weights that may sit beside the engine's on one H200
+ARCHITECTURES = {"gpt_oss": "GptOssForCausalLM", "glm4v_moe": "Glm4vMoeForConditionalGeneration"}
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def hf_state_dict(store: dict, family: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The engine's weight store -> a transformers state dict in `dtype` (quantised weights
+    dequantised; experts back in transformers' fused layouts)."""
+    out, gates = {}, {}
+    for name, w in store.items():
+        t = w if isinstance(w, torch.Tensor) else (w.weight if isinstance(w, DenseWeight) else w.dequantize(dtype))
+        t = t.to(dtype) if t.is_floating_point() else t
+        if ".mlp.experts." in name:
+            base = name.rsplit(".", 2)[0]  # ...mlp.experts
+            proj, kind = name.rsplit(".", 2)[1:]
+            if family == "gpt_oss":  # transformers keeps gpt-oss experts as [E, in, out]
+                out[f"{base}.{proj}" + ("_bias" if kind == "bias" else "")] = t if kind == "bias" else t.transpose(1, 2)
+                continue
+            if proj in ("gate_proj", "up_proj"):  # GLM: one [E, 2I, H] tensor, gate rows first
+                gates.setdefault(base, {})[proj] = t
+                continue
+            out[f"{base}.down_proj"] = t
+            continue
+        out[name] = t
+    for base, pair in gates.items():
+        out[f"{base}.gate_up_proj"] = torch.cat((pair["gate_proj"], pair["up_proj"]), dim=1)
+    return out
+
+
+def first_layers(store: dict, layers: int) -> dict:
+    return {k: v for k, v in store.items() if (m := _LAYER.search(k)) is None or int(m.group(1)) < layers
+            or ".visual." in k}
+
+
+def hf_model(cfg: dict, layers: int, state: dict, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+    """transformers' model for a config.json dict, cut to `layers`, holding `state`."""
+    import transformers
+
+    cfg = json.loads(json.dumps(cfg))  # a deep copy: the caller's dict stays as it was
+    cfg.pop("quantization_config", None)
+    text = cfg.get("text_config", cfg)
+    text.pop("quantization_config", None)
+    text["num_hidden_layers"] = layers
+    if "layer_types" in text:
+        text["layer_types"] = text["layer_types"][:layers]
+    config = transformers.AutoConfig.for_model(**cfg)
+    arch = getattr(transformers, ARCHITECTURES[cfg["model_type"]])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = arch(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "rotary" not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"transformers' {arch.__name__} does not take these weights: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    return model
+
+
+def hf_decode_tok_s(model, prompt_len: int, gen_len: int) -> float:
+    ids = torch.randint(1000, 100000, (1, prompt_len), device="cuda")
+    timings = {}
+    for n in (1, gen_len + 1):
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            torch.cuda.synchronize()
+            timings[n] = time.perf_counter() - t0
+    return gen_len / (timings[gen_len + 1] - timings[1])
+
+
+def compare_transformers(name: str, spec: ModelSpec, weights: dict, args) -> dict:
+    from .bench import make_engine, measure_batch, spec_for
+
+    params = sum(math.prod(w.shape) for w in weights.values())
+    layers = args.compare_layers or (spec.num_layers if 2 * params <= BF16_BUDGET else min(8, spec.num_layers))
+    cut_spec = spec_for(name, layers) if layers != spec.num_layers else spec
+    cut = first_layers(weights, layers)
+    engine = make_engine(cut_spec, build_model(cut_spec, cut, "cuda"), 0, args.prompt_len, args.gen_len, 1, 0)
+    try:
+        measure_batch(engine, cut_spec, cut, 1, args.prompt_len, 8)  # compiles and captures
+        ours = measure_batch(engine, cut_spec, cut, 1, args.prompt_len, args.gen_len)["tok_s_per_stream"]
+    finally:
+        engine.shutdown()
+    model = hf_model(model_config(name), layers, hf_state_dict(cut, spec.family))
+    theirs = hf_decode_tok_s(model, args.prompt_len, min(args.gen_len, 64))
+    del model
+    torch.cuda.empty_cache()
+    depth = "whole model" if layers == spec.num_layers else f"first {layers} of {spec.num_layers} layers, both engines"
+    print(f"  vs transformers {__import__('transformers').__version__} ({depth}), batch 1, "
+          f"{args.prompt_len}-token prompt: localchat {ours:.1f} tok/s, transformers {theirs:.1f} tok/s, "
+          f"{ours / theirs:.1f}x", flush=True)
+    return dict(layers=layers, localchat_tok_s=ours, transformers_tok_s=theirs, speedup=ours / theirs)
+

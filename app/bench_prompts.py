@@ -1,0 +1,72 @@
+"""Prompts for the benchmark: random token ids of a fixed length, and real images through the
+GLM-4.5V image processor, built without a downloaded tokenizer.
+
+It stands in for the engine's ChatFormatter (`build(request) -> Prompt` and `.tokenizer`): the
+tokenizer is a word-level one with one word per id of the model's full vocabulary, so detokenizing
+what a random model says costs what it costs with the real tokenizer and never fails.
+"""
+from __future__ import annotations
+
+import random
+
+from ..engine.runtime.prompt import Prompt
+from ..engine.runtime.request import ChatRequest, ImagePart, TextPart
+from ..engine.spec import ModelSpec
+
+# GLM-4.5V's image processor settings (reference notes: preprocessor_config.json of GLM-4.1V and
+# GLM-4.5V: min 12544 and max 9633792 pixels, 14-pixel patches, 2x2 merge, 2 frames per patch).
+GLM_IMAGE_PROCESSOR = {
+    "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "resample": 3,
+    "size": {"shortest_edge": 12544, "longest_edge": 9633792},
+}
+# Random prompt ids stay below every special token of both families (GLM's start at 151329).
+ORDINARY_IDS = (1000, 100_000)
+
+
+def word_tokenizer(vocab_size: int):
+    """A fast tokenizer whose id i is the word "w{i}" (the end-of-text markers are specials)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+class SyntheticPrompts:
+    """A request's text part is replaced by `prompt_len` random ids (fresh ones per request, so
+    the prefix cache finds nothing); each image part becomes the model's image tokens."""
+
+    def __init__(self, spec: ModelSpec, prompt_len: int, seed: int = 0):
+        self.spec = spec
+        self.prompt_len = prompt_len
+        self.tokenizer = word_tokenizer(spec.vocab_size)
+        self.random = random.Random(seed)
+        self.image_processor = None
+        if spec.vision is not None:
+            from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+            self.image_processor = Glm4vImageProcessorPil(**GLM_IMAGE_PROCESSOR)
+
+    def _ids(self, n: int) -> list[int]:
+        return [self.random.randrange(*ORDINARY_IDS) for _ in range(n)]
+
+    def build(self, request: ChatRequest) -> Prompt:
+        parts = [p for m in request.messages for p in m.content]
+        images = [p for p in parts if isinstance(p, ImagePart)]
+        text_len = self.prompt_len
+        for p in parts:
+            if isinstance(p, TextPart) and p.text.startswith("tokens:"):
+                text_len = int(p.text.split(":", 1)[1])
+        if not images:
+            return Prompt(self._ids(text_len))
+        pixels = self.image_processor(images=[p.image for p in images], return_tensors="pt")
+        grid = pixels["image_grid_thw"]
+        tokens = self.spec.image_tokens
+        ids: list[int] = []
+        for n in (grid.prod(-1) // self.spec.vision.spatial_merge_size ** 2).tolist():
+            ids += [tokens.image_start] + [tokens.image] * n + [tokens.image_end]
+        return Prompt(ids + self._ids(text_len), pixels["pixel_values"], grid, tuple(p.sha256 for p in images))

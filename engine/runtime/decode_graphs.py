@@ -1,0 +1,132 @@
+"""Decode steps replayed from captured CUDA graphs, one graph per batch-size bucket.
+
+A decode step (one new token for each of B sequences) launches a few hundred kernels; replaying
+them as one graph removes the per-launch host cost, which at batch 1 is most of the step. Each
+bucket's graph reads its inputs from static buffers: a step copies the real batch into the first
+B rows and pads the rest of the bucket with rows that write their K/V into a scratch block no
+sequence owns and attend to that one slot only, so padding never touches real cache entries.
+
+The block table has a fixed width (the longest context in blocks) because the graph bakes in its
+stride; only the columns in use are copied each step. Entries past a sequence's context length
+are never read, so stale ones may stay.
+
+On CPU the same static-buffer path runs without capture, so tests can check that padding and
+bucketing give the same tokens as the plain path.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+
+import torch
+
+from .forward_batch import ForwardBatch
+
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """The captured batch sizes: BUCKETS up to max_batch, and max_batch itself."""
+    sizes = [b for b in BUCKETS if b < max_batch]
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    """model: has embed(ids) and forward(h, batch, cache) and logits(h) -> [T, V] float32.
+    cache: the PagedKVCache; scratch_block: a block id of that cache outside the block pool.
+    max_blocks: block-table width (the longest context in blocks). mrope: positions are [3, B]."""
+
+    def __init__(self, model, cache, dtype: torch.dtype, device: torch.device, *, max_batch: int,
+                 max_blocks: int, scratch_block: int, mrope: bool, capture: bool | None = None):
+        self.model, self.cache, self.dtype, self.device = model, cache, dtype, device
+        self.sizes = bucket_sizes(max_batch)
+        self.max_batch, self.max_blocks = self.sizes[-1], max_blocks
+        self.scratch_slot = scratch_block * cache.block_size
+        self.capture = device.type == "cuda" if capture is None else capture
+        n = self.max_batch
+        self.token_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros((3, n) if mrope else (n,), dtype=torch.long, device=device)
+        self.slots = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
+        self.lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.tables = torch.full((n, max_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    def bucket(self, batch: int) -> int | None:
+        """The smallest captured size holding `batch` rows, or None when it is too large."""
+        i = bisect.bisect_left(self.sizes, batch)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def _batch(self, size: int) -> ForwardBatch:
+        """The ForwardBatch of a bucket: views of the static buffers."""
+        return ForwardBatch(self.positions[..., :size], self.slots[:size], self.query_start[:size + 1],
+                            self.lens[:size], self.tables[:size], list(range(size + 1)), [1] * size)
+
+    def _step(self, size: int) -> torch.Tensor:
+        h = self.model.embed(self.token_ids[:size]).to(self.dtype)
+        h = self.model.forward(h, self._batch(size), self.cache)
+        return self.model.logits(h)
+
+    def _capture(self, size: int) -> None:
+        t0 = time.perf_counter()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # first calls compile kernels and settle the allocator
+            for _ in range(2):
+                self._step(size)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[size] = self._step(size)
+        self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds += time.perf_counter() - t0
+
+    def capture_all(self, on_progress=None) -> None:
+        """Captures every bucket, largest first so the smaller graphs reuse its memory pool."""
+        if not self.capture:
+            return
+        with torch.inference_mode():
+            for i, size in enumerate(sorted(self.sizes, reverse=True)):
+                if size not in self.graphs:
+                    self._capture(size)
+                if on_progress is not None:
+                    on_progress(i + 1, len(self.sizes))
+
+    def run(self, token_ids: list[int], positions: torch.Tensor, slots: list[int], lens: list[int],
+            tables: list[list[int]]) -> torch.Tensor:
+        """One decode step for B <= max_batch sequences: token_ids [B], positions [B] or [3, B]
+        (host), slots [B] cache slots of the new tokens, lens [B] context lengths including
+        them, tables: each sequence's block ids. Returns float32 logits [B, V] (a view that the
+        next run overwrites)."""
+        b = len(token_ids)
+        size = self.bucket(b)
+        width = max(len(t) for t in tables)
+        if size is None or width > self.max_blocks:
+            raise ValueError(f"a decode batch of {b} sequences / {width} blocks does not fit the captured "
+                             f"graphs ({self.max_batch} / {self.max_blocks})")
+        self.token_ids[:b].copy_(torch.tensor(token_ids, dtype=torch.long), non_blocking=True)
+        self.positions[..., :b].copy_(positions, non_blocking=True)
+        self.slots[:b].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
+        self.lens[:b].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        padded = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32)
+        self.tables[:b, :width].copy_(padded, non_blocking=True)
+        if b < size:  # rows of the bucket that an earlier, larger step left behind
+            self.slots[b:size].fill_(self.scratch_slot)
+            self.lens[b:size].fill_(1)
+            self.tables[b:size, 0].fill_(self.scratch_slot // self.cache.block_size)
+        if not self.capture:
+            with torch.inference_mode():
+                return self._step(size)[:b]
+        if size not in self.graphs:
+            with torch.inference_mode():
+                self._capture(size)
+        self.graphs[size].replay()
+        self.replays += 1
+        return self.outputs[size][:b]
