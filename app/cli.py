@@ -16,6 +16,27 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="compute dtype of the unquantized parts (auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--max-context", type=int, default=None, help="cap the context length (tokens)")
+    p.add_argument("--gpus", type=_gpu_list, default=None, metavar="0,1,...",
+                   help="the GPUs to split the model over (default: GPU 0, or GPUs 0..N-1 with --tp N)")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="tensor-parallel size: one process per GPU, each holding 1/N of the model (default: the "
+                        "number of --gpus listed, else 1); with --device cpu, N CPU processes")
+    p.add_argument("--ep", action="store_true",
+                   help="expert parallel: split the MoE experts whole over the --tp ranks instead of slicing each one")
+
+
+def _gpu_list(text: str) -> list[int]:
+    try:
+        gpus = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpus takes GPU indices separated by commas, like 0,1 (got {text!r})")
+    if not gpus or min(gpus) < 0:
+        raise argparse.ArgumentTypeError(f"--gpus takes GPU indices separated by commas, like 0,1 (got {text!r})")
+    return gpus
+
+
+def _tp(args) -> int:
+    return args.tp or (len(args.gpus) if args.gpus else 1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,17 +142,28 @@ def _model_dir(args) -> Path:
 
 def _check_fits(args, model_dir: Path) -> None:
     """Refuses early, with advice, what would otherwise end in a CUDA out-of-memory error."""
-    from ..engine.planner import checkpoint_weight_bytes, local_gpus, plan
+    from ..engine.planner import MIN_CONTEXT, checkpoint_weight_bytes, local_gpus, plan
     from ..engine.spec import ModelSpec
 
     gpus = [] if args.device == "cpu" else local_gpus()
     if not gpus:
         return
-    # The engine places a model on one GPU today; the planner's multi-GPU options are advice.
-    result = plan(ModelSpec.from_dir(model_dir), checkpoint_weight_bytes(model_dir), gpus[:1],
+    tp = _tp(args)
+    wanted = (args.gpus or list(range(tp)))[:tp]
+    chosen = [g for g in gpus if g.index in wanted]
+    if len(chosen) < tp:
+        return  # the engine names the missing GPU
+    result = plan(ModelSpec.from_dir(model_dir), checkpoint_weight_bytes(model_dir), chosen,
                   max_context=args.max_context)
+    if tp > 1:  # the split the user asked for, not the planner's pick
+        result.chosen = next((o for o in result.options if o.tp == tp and o.max_context >= MIN_CONTEXT), None)
+        if result.chosen is not None and result.chosen.max_context >= result.want_context:
+            result.verdict = "fits"
+        elif result.chosen is not None:
+            result.verdict = "fits_reduced"
+    where = f"GPU {chosen[0].index}" if tp == 1 else f"GPUs {','.join(str(g.index) for g in chosen)}"
     if result.chosen is None:
-        raise UserError(f"{args.model} does not fit GPU {gpus[0].index}: {result.summary()}")
+        raise UserError(f"{args.model} does not fit {where}: {result.summary()}")
     if result.verdict == "fits_reduced" and args.max_context is None:
         args.max_context = result.chosen.max_context
         print(f"localchat: context limited to {args.max_context} tokens to fit GPU memory", file=sys.stderr)
@@ -146,7 +178,7 @@ def _load_engine(args, model_dir: Path):
         def progress(done, total, file):  # noqa: E306
             print(f"\rloading {Path(file).name}: {done / max(total, 1):6.1%}", end="", file=sys.stderr, flush=True)
     engine = Engine(model_dir, device=args.device, dtype=args.dtype, max_context=args.max_context,
-                    on_progress=progress, name=args.model)
+                    on_progress=progress, name=args.model, tp=_tp(args), ep=args.ep, gpus=args.gpus)
     if progress:
         print(file=sys.stderr)
     return engine

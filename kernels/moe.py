@@ -173,7 +173,8 @@ def _check(t: torch.Tensor, what: str) -> None:
 def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               config: MoeConfig | None = None) -> torch.Tensor:
     """x [T, H] (bf16/fp16/fp32; MXFP4 needs bf16/fp16), topk_weights [T, k] float32,
-    topk_ids [T, k] int -> [T, H] in x.dtype."""
+    topk_ids [T, k] int -> [T, H] in x.dtype. A pair whose id is -1 (an expert another rank holds
+    under expert parallelism) adds nothing."""
     t, h = x.shape
     k = topk_ids.shape[1]
     e, i = experts.num_experts, experts.intermediate_size
@@ -255,7 +256,8 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     else:
         moe_gate_up_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             *gate_up_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **gate_up_meta)
-    y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
+    # zeroed: pairs of expert -1 are never written, and the combine sums every pair's row
+    y = torch.zeros((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias = experts.down_bias is not None
     bd = experts.down_bias if has_down_bias else x
     pair_weights = topk_weights.reshape(-1).to(torch.float32)
@@ -293,13 +295,15 @@ def expert_slice(w: LinearWeight, e: int) -> LinearWeight:
 def fused_moe_ref(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   config: MoeConfig | None = None) -> torch.Tensor:
     """Per-expert loop in float32 over exactly dequantised weights; the activation between the
-    two GEMMs is rounded to x.dtype as the kernel stores it."""
+    two GEMMs is rounded to x.dtype as the kernel stores it. Pairs of expert -1 add nothing."""
     t, h = x.shape
     k = topk_ids.shape[1]
     xf = x.to(torch.float32)
     out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1).to(torch.int64)
     for e in flat_ids.unique().tolist():
+        if e < 0:
+            continue
         pairs = (flat_ids == e).nonzero().flatten()
         tokens = pairs // k
         g = xf[tokens] @ expert_slice(experts.gate, e).dequantize().T

@@ -48,7 +48,7 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, E, P_MAX, B_MAX,
         onehot = (ids[:, None] == e[None, :]).to(tl.int32)
         before = tl.cumsum(onehot, axis=0) - onehot  # same-expert pairs earlier in this chunk
         pos = tl.sum((before + running[None, :]) * onehot, axis=1)
-        tl.store(sorted_ptr + pos, p, mask=p < P)
+        tl.store(sorted_ptr + pos, p, mask=(p < P) & (ids >= 0))  # id -1: a pair no expert here takes
         running += tl.sum(onehot, axis=0)
 
     for b0 in range(0, B_MAX, CHUNK):

@@ -11,6 +11,7 @@ import torch
 from ...kernels.attention_decode import paged_decode_attention, paged_decode_attention_ref
 from ...kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
 from ...kernels.rotary import apply_rotary, apply_rotary_ref
+from ..parallel.context import SINGLE, ParallelContext
 from ..spec import ModelSpec
 from .linear import linear
 
@@ -33,16 +34,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 class SelfAttention:
-    """One decoder layer's attention; weights from the flat store under `prefix`."""
+    """One decoder layer's attention; weights from the flat store under `prefix`.
 
-    def __init__(self, spec: ModelSpec, weights: dict, prefix: str, layer: int):
+    Under tensor parallelism the rank holds a range of query heads and their kv heads (sinks
+    follow their heads); its output is this rank's partial sum of o_proj, which the model
+    all-reduces (o_proj's bias is held by rank 0 only)."""
+
+    def __init__(self, spec: ModelSpec, weights: dict, prefix: str, layer: int, ctx: ParallelContext = SINGLE):
         self.layer = layer
-        self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        layout = ctx.layout(spec)
+        self.heads, self.kv_heads, self.head_dim = layout.num_q_heads, layout.num_kv_heads, spec.head_dim
         self.scale = spec.head_dim ** -0.5
         self.window = spec.sliding_window if spec.layer_types[layer] == "sliding" else None
         self.q, self.k, self.v, self.o = (weights[f"{prefix}.{n}_proj.weight"] for n in "qkvo")
         self.q_b, self.k_b, self.v_b, self.o_b = (weights.get(f"{prefix}.{n}_proj.bias") for n in "qkvo")
         self.sinks = weights.get(f"{prefix}.sinks") if spec.attention_sinks else None
+        for w, heads, what in ((self.q, self.heads, "q_proj"), (self.k, self.kv_heads, "k_proj")):
+            if w.shape[0] != heads * self.head_dim:
+                raise ValueError(f"{prefix}.{what} has {w.shape[0]} rows, but rank {ctx.rank} of {ctx.world_size} "
+                                 f"should hold {heads} heads of {self.head_dim}: the weights were cut for another split")
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, cache) -> torch.Tensor:
         """x [T, hidden] packed over the batch; cos/sin [T, rotary_dim] carry the rotary angles."""

@@ -10,12 +10,25 @@ import torch.nn.functional as F
 
 from ...kernels.moe import MoeExperts, fused_moe, fused_moe_ref, gpt_oss_experts
 from ...kernels.moe_routing import route_glm, route_glm_ref, route_gpt_oss, route_gpt_oss_ref
+from ..parallel.context import SINGLE, ParallelContext
 from ..spec import ModelSpec
 from .mlp import GatedMLP
 
 
+def local_expert_ids(ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Global expert ids [T, k] -> ids into this rank's experts [start, end); -1 for experts other
+    ranks hold (the MoE kernels skip those pairs, so they add nothing here)."""
+    local = ids - start
+    return torch.where((local >= 0) & (local < end - start), local, torch.full_like(local, -1))
+
+
 class MoeBlock:
-    def __init__(self, spec: ModelSpec, weights: dict, prefix: str):
+    """Routed experts plus (GLM) the shared expert. The router runs whole on every rank. Under
+    tensor parallelism the output is this rank's partial sum, which the model all-reduces: each
+    rank holds a slice of every expert's intermediate dim (and of the shared expert's), or, with
+    expert parallelism, a contiguous range of whole experts."""
+
+    def __init__(self, spec: ModelSpec, weights: dict, prefix: str, ctx: ParallelContext = SINGLE):
         m = self.moe = spec.moe
         ex = f"{prefix}.experts"
         if m.router == "sigmoid_bias":
@@ -34,6 +47,11 @@ class MoeBlock:
             self.experts = MoeExperts(weights[f"{ex}.gate_proj.weight"], weights[f"{ex}.up_proj.weight"],
                                       weights[f"{ex}.down_proj.weight"])
         self.shared = GatedMLP(weights, f"{prefix}.shared_experts") if m.num_shared_experts else None
+        self.expert_range = ctx.layout(spec).experts if ctx.expert_parallel else None
+        held = self.expert_range[1] - self.expert_range[0] if self.expert_range else m.num_experts
+        if self.experts.num_experts != held:
+            raise ValueError(f"{ex} holds {self.experts.num_experts} experts, but rank {ctx.rank} of "
+                             f"{ctx.world_size} should hold {held}: the weights were cut for another split")
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> routing weights [T, k] float32 and expert ids [T, k]."""
@@ -49,6 +67,8 @@ class MoeBlock:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if self.expert_range is not None:
+            ids = local_expert_ids(ids, *self.expert_range)
         out = (fused_moe if x.is_cuda else fused_moe_ref)(x, self.experts, weights, ids)
         if self.shared is not None:
             out = out + self.shared(x)

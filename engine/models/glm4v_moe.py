@@ -5,42 +5,55 @@ from __future__ import annotations
 import torch
 
 from ..layers.attention import SelfAttention
-from ..layers.linear import linear
 from ..layers.mlp import GatedMLP
 from ..layers.moe import MoeBlock
 from ..layers.norm import add_rms_norm
 from ..layers.rotary import RotaryEmbedding
+from ..layers.vocab import VocabEmbedding, VocabHead
+from ..parallel.context import SINGLE, ParallelContext
 from ..spec import ModelSpec
 from .glm4v_vision import Glm4vVisionTower
 from .mrope import mrope_positions
 
 
 class Glm4vMoeModel:
+    """Under tensor parallelism (ctx) every rank runs this same forward on its slices; the
+    residual stream is whole on every rank, restored by one all-reduce after attention and one
+    after the MLP / MoE.
+
+    The vision tower runs on rank 0 only, and its features reach the other ranks through the
+    embedding's all-reduce (rank 0 puts them at the image positions, the others zeros there):
+    no extra collective, no pixels sent to other GPUs, and the other ranks would only repeat the
+    same work (the tower's weights are loaded everywhere, replicated by the shard plan)."""
+
     family = "glm4v_moe"
 
-    def __init__(self, spec: ModelSpec, weights: dict, device: torch.device | str = "cpu"):
-        self.spec = spec
+    def __init__(self, spec: ModelSpec, weights: dict, device: torch.device | str = "cpu",
+                 ctx: ParallelContext = SINGLE):
+        self.spec, self.ctx = spec, ctx
+        self.kv_heads = ctx.layout(spec).num_kv_heads  # per rank: what the KV cache holds
         prefix = "model.language_model"
-        self.embed_tokens = weights[f"{prefix}.embed_tokens.weight"]
+        self.embed_tokens = VocabEmbedding(weights[f"{prefix}.embed_tokens.weight"], spec, ctx)
         self.rotary = RotaryEmbedding(spec.rope, device)
         self.layers = []
         for i in range(spec.num_layers):
             p = f"{prefix}.layers.{i}"
-            mlp = MoeBlock(spec, weights, f"{p}.mlp") if spec.is_moe_layer(i) else GatedMLP(weights, f"{p}.mlp")
+            mlp = MoeBlock(spec, weights, f"{p}.mlp", ctx) if spec.is_moe_layer(i) else GatedMLP(weights, f"{p}.mlp")
             self.layers.append((
                 weights[f"{p}.input_layernorm.weight"],
-                SelfAttention(spec, weights, f"{p}.self_attn", i),
+                SelfAttention(spec, weights, f"{p}.self_attn", i, ctx),
                 weights[f"{p}.post_attention_layernorm.weight"],
                 mlp,
             ))
         self.norm = weights[f"{prefix}.norm.weight"]
-        self.lm_head = weights["lm_head.weight"]
+        self.lm_head = VocabHead(weights["lm_head.weight"], spec, ctx)
         self.visual = Glm4vVisionTower(spec.vision, weights, "model.visual")
 
     def embed(self, input_ids: torch.Tensor, image_features: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] -> [T, hidden]; image_features [n_image_tokens, hidden] fill the
-        <|image|> positions in order."""
-        h = self.embed_tokens[input_ids]
+        <|image|> positions in order. Under tensor parallelism rank 0 passes the real features
+        and every other rank zeros of the same shape."""
+        h = self.embed_tokens(input_ids)
         if image_features is not None:
             mask = input_ids == self.spec.image_tokens.image
             if int(mask.sum()) != image_features.shape[0]:
@@ -48,7 +61,7 @@ class Glm4vMoeModel:
                                  f"{image_features.shape[0]} features")
             h = h.clone()
             h[mask] = image_features.to(h.dtype)
-        return h
+        return self.ctx.all_reduce(h)
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         return self.visual(pixel_values, grid_thw)
@@ -61,13 +74,15 @@ class Glm4vMoeModel:
         """h [T, hidden] packed over the ForwardBatch's sequences -> final hidden states [T, hidden]."""
         eps = self.spec.rms_norm_eps
         cos, sin = self.rotary.cos_sin(batch.rope_positions, h.dtype)
+        reduce = self.ctx.all_reduce
         # The residual stream runs beside the layers; each norm also adds the previous block's output.
         out, residual = h, None
         for in_norm, attn, post_norm, mlp in self.layers:
             x, residual = add_rms_norm(out, residual, in_norm, eps)
-            x, residual = add_rms_norm(attn(x, cos, sin, batch, cache), residual, post_norm, eps)
-            out = mlp(x)
+            x, residual = add_rms_norm(reduce(attn(x, cos, sin, batch, cache)), residual, post_norm, eps)
+            out = reduce(mlp(x))
         return add_rms_norm(out, residual, self.norm, eps)[0]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(h, self.lm_head).to(torch.float32)
+        """h [T, hidden] -> float32 logits [T, vocab] (gathered from every rank's vocabulary rows)."""
+        return self.lm_head(h)

@@ -12,8 +12,8 @@ Rules (reference notes D.1/D.2, how vLLM and SGLang shard these two models):
 * expert parallel (ep=True): whole experts, a contiguous range per rank, for every expert tensor
   (down bias whole on its expert's rank); attention and shared experts stay tensor-parallel.
 * embeddings and lm_head: vocab split on rows, cdiv(V, tp) per rank, the last rank shorter.
-* norms, routers, GLM's correction bias and the vision tower are replicated (the ViT runs whole on
-  every rank, as vLLM's `--mm-encoder-tp-mode data`; its 12 heads do not divide 8).
+* norms, routers, GLM's correction bias and the vision tower are replicated (the ViT is not split:
+  its 12 heads do not divide 8; only rank 0 runs it, see models/glm4v_moe.py).
 
 Slices are given on each output's logical shape: a tensor's own shape, a LinearWeight record's
 [..., N, K] (`record.shape`). `slice_weights` maps that onto the record's payload and scales.
@@ -167,6 +167,39 @@ class _Planner:
                 return self.rank0_only()
             return Slice(2, *self.inner(inner, "intermediate_size"))
         raise ShardingError(f"no tensor-parallel rule for expert tensor {name} {list(shape)}")
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """The sizes one rank's layers work with, from the same rules as its shard plan.
+
+    q_heads, kv_heads: [start, end) head ranges of this rank's attention.
+    vocab: [start, end) rows of the embedding and lm_head; vocab_per_rank = cdiv(V, tp), the width
+        every rank's logits are padded to before they are gathered.
+    experts: [start, end) of the routed experts this rank holds whole (expert parallel), or None
+        when every rank holds a slice of every expert.
+    """
+
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    vocab: tuple[int, int]
+    vocab_per_rank: int
+    experts: tuple[int, int] | None
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+
+def rank_layout(spec: ModelSpec, tp: int, rank: int, ep: bool = False) -> RankLayout:
+    """RankLayout of `rank` of `tp` (ShardingError for a split the model does not allow)."""
+    planner = _Planner(spec, tp, rank, ep)
+    q, kv = head_ranges(spec, tp, rank)
+    return RankLayout(q, kv, planner.vocab, math.ceil(spec.vocab_size / tp), planner.experts)
 
 
 def shard_plan(spec: ModelSpec, tp: int, rank: int, ep: bool = False) -> ShardPlan:

@@ -53,11 +53,18 @@ class Engine:
     """Serving options (keyword-only): block_size tokens per KV block; num_blocks or max_kv_tokens
     size the KV pool (default: the GPU memory left after the weights, or 16k tokens on CPU);
     max_batch_tokens is the per-step token budget (prefill chunk size); max_running caps the
-    sequences decoded together. cuda_graphs (default: on for CUDA) replays decode steps from
-    captured graphs; each batch-size bucket is captured on first use, or all by `warmup()`."""
+    sequences decoded together. cuda_graphs (default: on for CUDA, single process) replays decode
+    steps from captured graphs; each batch-size bucket is captured on first use, or all by `warmup()`.
+
+    tp > 1 splits the model over tp processes, one per GPU (`gpus`, default 0..tp-1; on the CPU,
+    tp processes), each reading only its slices of the checkpoint; ep splits the routed experts
+    whole across them instead of slicing every expert (engine/parallel/)."""
+
+    workers = None  # the other ranks' processes (engine.parallel.group.WorkerGroup) when tp > 1
 
     def __init__(self, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto",
-                 max_context: int | None = None, on_progress=None, name: str | None = None, **serving):
+                 max_context: int | None = None, on_progress=None, name: str | None = None,
+                 tp: int = 1, ep: bool = False, gpus: list[int] | None = None, **serving):
         from ..models import build_model
         from ..weights.loader import load_weights
 
@@ -66,10 +73,25 @@ class Engine:
         dt = resolve_dtype(dtype, dev)
         spec = ModelSpec.from_dir(path)
         formatter = ChatFormatter(path, spec)
-        weights = load_weights(path, spec, device=dev, dtype=dt, on_progress=on_progress)
         self.path = path
-        self._setup(spec, build_model(spec, weights, dev), formatter, dev, dt, name or path.name,
-                    max_context, sum(_nbytes(w) for w in weights.values()), **serving)
+        if ep and tp < 2:
+            raise ValueError("expert parallelism splits the experts over the tensor-parallel ranks: it needs tp >= 2")
+        if tp > 1:
+            from ..parallel.group import start_parallel
+
+            self.workers = start_parallel(path, spec, dev, dt, tp=tp, ep=ep, gpus=gpus, on_progress=on_progress)
+            model, dev, nbytes = self.workers.model, self.workers.device, self.workers.weights_bytes
+        else:
+            if gpus:
+                dev = torch.device("cuda", gpus[0]) if dev.type == "cuda" else dev
+            weights = load_weights(path, spec, device=dev, dtype=dt, on_progress=on_progress)
+            model, nbytes = build_model(spec, weights, dev), sum(_nbytes(w) for w in weights.values())
+        try:
+            self._setup(spec, model, formatter, dev, dt, name or path.name, max_context, nbytes, **serving)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close()
+            raise
 
     @classmethod
     def from_model(cls, spec: ModelSpec, model, formatter, *, device: str = "cpu", dtype: str = "auto",
@@ -93,19 +115,27 @@ class Engine:
         self.max_context = min(max_context or spec.max_position_embeddings, spec.max_position_embeddings)
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens or (2048 if device.type == "cuda" else 512)
+        kv_heads = getattr(model, "kv_heads", spec.num_kv_heads)  # this rank's share under tensor parallelism
         n = plan_num_blocks(spec, dtype, device, block_size, max_context=self.max_context,
                             max_batch_tokens=self.max_batch_tokens, max_running=max_running,
-                            num_blocks=num_blocks, max_kv_tokens=max_kv_tokens, headroom_bytes=kv_headroom_bytes)
-        # One block beyond the pool: the scratch block that padded rows of a graph step write to.
-        self.cache = PagedKVCache(spec.num_layers, n + 1, block_size, spec.num_kv_heads, spec.head_dim, dtype, device)
+                            num_blocks=num_blocks, max_kv_tokens=max_kv_tokens, headroom_bytes=kv_headroom_bytes,
+                            kv_heads=kv_heads, mem_info=self.workers.mem_info if self.workers else None)
+        # Graph capture of the tensor-parallel step (collectives inside) is not done yet: it runs eagerly.
+        use_graphs = self.workers is None and (cuda_graphs if cuda_graphs is not None else device.type == "cuda")
+        # With graphs, one block beyond the pool: the scratch block that padded rows write to.
+        self.cache = PagedKVCache(spec.num_layers, n + int(use_graphs), block_size, kv_heads, spec.head_dim, dtype,
+                                  device)
         self.pool = BlockPool(n)
         self.scheduler = Scheduler(self.pool, block_size, self.max_batch_tokens, max_running)
-        graphs = None
-        if cuda_graphs if cuda_graphs is not None else device.type == "cuda":
-            graphs = DecodeGraphs(model, self.cache, dtype, device, max_batch=max_running,
-                                  max_blocks=-(-self.context_limit // block_size), scratch_block=n,
-                                  mrope=spec.family == "glm4v_moe")
-        self.runner = StepRunner(model, self.cache, device, dtype, graphs)
+        if self.workers is not None:
+            self.runner = self.workers.step_runner(model, self.cache, device, dtype)
+        else:
+            graphs = None
+            if use_graphs:
+                graphs = DecodeGraphs(model, self.cache, dtype, device, max_batch=max_running,
+                                      max_blocks=-(-self.context_limit // block_size), scratch_block=n,
+                                      mrope=spec.family == "glm4v_moe")
+            self.runner = StepRunner(model, self.cache, device, dtype, graphs)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", n, block_size,
                  self.cache.k.numel() * self.cache.k.element_size() * 2 / 2**30)
         self._ids = itertools.count()
@@ -127,7 +157,7 @@ class Engine:
             name=self.name, family=self.spec.family, context_length=self.context_limit,
             supports_images=self.spec.vision is not None,
             reasoning="thinking" if self.spec.family == "glm4v_moe" else "effort",
-            placement=str(self.device), weights_bytes=self.weights_bytes)
+            placement=self.workers.placement if self.workers else str(self.device), weights_bytes=self.weights_bytes)
 
     def submit(self, request: ChatRequest) -> EngineStream:
         """Queues a request; returns its stream at once. Refusals arrive as a Final("error")."""
@@ -192,6 +222,8 @@ class Engine:
         self._stopped = True
         self._inbox.put(None)
         self._worker.join(timeout)
+        if self.workers is not None:
+            self.workers.close()
 
     # ---- request intake ---------------------------------------------------------------------
 

@@ -28,9 +28,13 @@ def activation_headroom(spec: ModelSpec, max_batch_tokens: int, max_running: int
 def plan_num_blocks(spec: ModelSpec, dtype: torch.dtype, device: torch.device, block_size: int, *,
                     max_context: int, max_batch_tokens: int, max_running: int,
                     num_blocks: int | None = None, max_kv_tokens: int | None = None,
-                    headroom_bytes: int | None = None, mem_info: tuple[int, int] | None = None) -> int:
-    """mem_info: (free, total) bytes, read from the device when None (tests pass numbers)."""
-    per_block = PagedKVCache.bytes_per_block(spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim, dtype)
+                    headroom_bytes: int | None = None, mem_info: tuple[int, int] | None = None,
+                    kv_heads: int | None = None) -> int:
+    """mem_info: (free, total) bytes, read from the device when None (tests pass numbers; under
+    tensor parallelism, the GPU with the least free memory). kv_heads: the KV heads one GPU holds
+    (default: all of the model's)."""
+    per_block = PagedKVCache.bytes_per_block(spec.num_layers, block_size, kv_heads or spec.num_kv_heads,
+                                             spec.head_dim, dtype)
     if num_blocks is not None:
         return int(num_blocks)
     if max_kv_tokens is not None:

@@ -107,6 +107,11 @@ class StepRunner:
             except Exception as e:  # a kernel that cannot be captured must not stop the chat
                 log.warning("decode graph failed (%s: %s); decoding eagerly from now on", type(e).__name__, e)
                 self.graphs = None
+        inputs, sampling = self.prepare(plan)
+        return sampling, self.execute(inputs)
+
+    def prepare(self, plan: list[tuple[Sequence, int]]) -> tuple["StepInputs", list[Sequence]]:
+        """The host-side half of a step: encodes the images it needs, gathers the model inputs."""
         ids: list[int] = []
         positions, features, entries, last_rows, sampling = [], [], [], [], []
         for seq, n in plan:
@@ -127,17 +132,41 @@ class StepRunner:
                 sampling.append(seq)
         self.counters.steps += 1
         self.counters.computed_tokens += len(ids)
-        token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        batch = ForwardBatch.build(entries, torch.cat(positions, dim=-1), self.cache.block_size, self.device)
+        inputs = StepInputs(ids, entries, torch.cat(positions, dim=-1), torch.cat(features) if features else None,
+                            last_rows)
+        return inputs, sampling
+
+    def execute(self, inputs: "StepInputs") -> torch.Tensor | None:
+        """The device half: embed, forward over the paged cache, logits of `last_rows`."""
+        token_ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=self.device)
+        batch = ForwardBatch.build(inputs.entries, inputs.positions, self.cache.block_size, self.device)
         with torch.inference_mode():
             if self.vision:
-                h = self.model.embed(token_ids, torch.cat(features) if features else None)
+                h = self.model.embed(token_ids, inputs.features)
             else:
                 h = self.model.embed(token_ids)
             h = self.model.forward(h.to(self.dtype), batch, self.cache)
             logits = None
-            if last_rows:
-                rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
+            if inputs.last_rows:
+                rows = torch.tensor(inputs.last_rows, dtype=torch.long, device=self.device)
                 logits = self.model.logits(h.index_select(0, rows))
         _sync(self.device)
-        return sampling, logits
+        return logits
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs, gathered on the host (picklable: they go to the other ranks
+    under tensor parallelism).
+
+    token_ids: [T] ids of the new tokens, all sequences packed; entries: (block table, tokens
+    already cached, new tokens) per sequence; positions: [T] or [3, T] rotary positions (CPU);
+    features: [n_image_tokens, hidden] features of the image tokens among them, or None;
+    last_rows: rows of the packed axis whose logits are wanted.
+    """
+
+    token_ids: list[int]
+    entries: list[tuple[list[int], int, int]]
+    positions: torch.Tensor
+    features: torch.Tensor | None
+    last_rows: list[int]

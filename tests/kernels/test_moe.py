@@ -78,6 +78,22 @@ def test_gpt_oss_swiglu_clamps():
     assert rel_err(fused_moe(x, experts, w, ids), fused_moe_ref(x, experts, w, ids)) < 1e-4
 
 
+@pytest.mark.parametrize("cfg", [MoeConfig(16, 32, 32, 1, 1), MoeConfig(1, 16, 32, 1, 1, gemv=True)])
+def test_pairs_of_expert_minus_one_add_nothing(cfg):
+    # Expert parallelism hands the kernels -1 for experts another rank holds.
+    e, k, h, i, t = 4, 2, 48, 32, 6
+    gate, up, down = _glm_weights("dense", e, i, h, torch.float32)
+    experts = MoeExperts(gate, up, down)
+    x = torch.randn(t, h, device=DEV)
+    w, ids = random_routing(t, e, k)
+    remote = ids >= 2  # experts 2 and 3 live elsewhere
+    out = fused_moe(x, experts, w, torch.where(remote, -1, ids), config=cfg)
+    want = fused_moe_ref(x, experts, torch.where(remote, 0.0, w), ids)
+    assert remote.any() and not remote.all()
+    assert rel_err(out, want) < 1e-4
+    assert rel_err(fused_moe_ref(x, experts, w, torch.where(remote, -1, ids)), want) < 1e-6
+
+
 # ---- real shapes on a GPU -------------------------------------------------------------------
 
 def _expert_bytes(experts, ids):

@@ -1,0 +1,45 @@
+"""Rank 0's step runner under tensor parallelism: the engine's StepRunner, which also hands each
+step's inputs to the other ranks before running the same forward on its own slices."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..runtime.sequence import Sequence
+from ..runtime.step_runner import StepInputs, StepRunner
+from .group import WorkerFailed, WorkerGroup
+
+
+class ParallelStepRunner(StepRunner):
+    """Same interface as StepRunner; the logits it returns are whole (gathered over the ranks'
+    vocabulary slices), so sampling stays on rank 0 unchanged."""
+
+    def __init__(self, model, cache, device: torch.device, dtype: torch.dtype, group: WorkerGroup):
+        super().__init__(model, cache, device, dtype)
+        self.group = group
+
+    def run(self, plan: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor | None]:
+        self.group.check()
+        with self._on_device():
+            inputs, sampling = self.prepare(plan)  # image encoding runs here, on rank 0 only
+            return sampling, self.forward(inputs)
+
+    def _on_device(self):
+        """The engine thread's current GPU must be rank 0's for the kernels and NCCL calls."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Runs one step on every rank; returns rank 0's (whole) logits of inputs.last_rows."""
+        self.group.check()
+        self.group.send_step(inputs)
+        try:
+            with self._on_device():
+                logits = self.execute(inputs)
+        except Exception as e:
+            # Once the inputs are sent, every rank is inside this step: a failure anywhere leaves
+            # the ranks out of step, so the group is finished either way.
+            if not self.group.wait_for_failure():
+                self.group.fail(f"the step failed on rank 0 ({type(e).__name__}: {e})")
+            raise WorkerFailed(self.group.failure) from e
+        return logits
