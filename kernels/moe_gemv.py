@@ -80,33 +80,34 @@ def _hi_f32(t):
 
 
 @triton.jit
-def _x_plane(x_row, k, m, X_BF16: tl.constexpr):
+def _x_plane(x_row, k, X_BF16: tl.constexpr):
     """Activations at offsets k as float32 times 2^100. bf16: the bits shifted into a float32
     and 100 added to the exponent field in one integer multiply-add; exact for normal values,
     while zeros and bf16 subnormals (|x| < 2^-126) come out below 2^-126 in magnitude."""
     if X_BF16:
-        bits = tl.load(x_row + k, mask=m, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        bits = tl.load(x_row + k).to(tl.uint16, bitcast=True).to(tl.uint32)
         return (bits * 65536 + X_WORD_EXP).to(tl.float32, bitcast=True)
     else:
-        return tl.load(x_row + k, mask=m, other=0.0).to(tl.float32) * X_WORD_SCALE
+        return tl.load(x_row + k).to(tl.float32) * X_WORD_SCALE
 
 
 @triton.jit
 def _mx_words_x(x_row, k0, K, X_BF16: tl.constexpr, BLOCK_K: tl.constexpr):
     """One K chunk of an activation row as 8 float32 tensors [G, 4] (x_i holds element 8j + i
-    of each group's word j) times 2^100."""
+    of each group's word j) times 2^100. Offsets past the row are clamped onto its last word
+    instead of masked (no fill instruction per load): the weights there load as zero codes, and
+    the clamped activations are finite values of the same row."""
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     g = k0 // 32 + tl.arange(0, BLOCK_G)
-    k = g[:, None] * 32 + tl.arange(0, 4)[None, :] * 8
-    m = (g < K // 32)[:, None]
-    x0 = _x_plane(x_row, k, m, X_BF16)
-    x1 = _x_plane(x_row, k + 1, m, X_BF16)
-    x2 = _x_plane(x_row, k + 2, m, X_BF16)
-    x3 = _x_plane(x_row, k + 3, m, X_BF16)
-    x4 = _x_plane(x_row, k + 4, m, X_BF16)
-    x5 = _x_plane(x_row, k + 5, m, X_BF16)
-    x6 = _x_plane(x_row, k + 6, m, X_BF16)
-    x7 = _x_plane(x_row, k + 7, m, X_BF16)
+    k = tl.minimum(g[:, None] * 32 + tl.arange(0, 4)[None, :] * 8, K - 8)
+    x0 = _x_plane(x_row, k, X_BF16)
+    x1 = _x_plane(x_row, k + 1, X_BF16)
+    x2 = _x_plane(x_row, k + 2, X_BF16)
+    x3 = _x_plane(x_row, k + 3, X_BF16)
+    x4 = _x_plane(x_row, k + 4, X_BF16)
+    x5 = _x_plane(x_row, k + 5, X_BF16)
+    x6 = _x_plane(x_row, k + 6, X_BF16)
+    x7 = _x_plane(x_row, k + 7, X_BF16)
     return x0, x1, x2, x3, x4, x5, x6, x7
 
 
@@ -359,6 +360,9 @@ def moe_gate_up_words_kernel(
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     g0 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     g1, g2, g3, u0, u1, u2, u3 = g0, g0, g0, g0, g0, g0, g0
+    # activation rows of the slots, out of the K loop (padding slots point at row 0, unused)
+    tok = tl.where(valid, pairs // top_k, 0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_M)
     for k0 in range(0, K, BLOCK_K):
         tg0, tg1, tg2, tg3, mg = _mx_words_load(wg_ptr, sg_ptr, e, n, n_mask, k0, K, stride_we, stride_wn,
                                                 stride_se, stride_sn, stride_sk, BLOCK_K)
@@ -367,8 +371,8 @@ def moe_gate_up_words_kernel(
         for m in tl.static_range(BLOCK_M):
             pair = _pair_at(pair_ptr, pid_m, m, SORTED, BLOCK_M)
             if pair < num_pairs:  # padding slots of a sorted block skip their FMAs
-                x0, x1, x2, x3, x4, x5, x6, x7 = _mx_words_x(
-                    x_ptr + (pair // top_k).to(tl.int64) * stride_xt, k0, K, X_BF16, BLOCK_K)
+                row = tl.sum(tl.where(cols == m, tok, 0))
+                x0, x1, x2, x3, x4, x5, x6, x7 = _mx_words_x(x_ptr + row * stride_xt, k0, K, X_BF16, BLOCK_K)
                 pg = _mx_words_dot(tg0, tg1, tg2, tg3, mg, x0, x1, x2, x3, x4, x5, x6, x7)
                 pu = _mx_words_dot(tu0, tu1, tu2, tu3, mu, x0, x1, x2, x3, x4, x5, x6, x7)
                 if m == 0:
