@@ -13,7 +13,7 @@ from ...kernels.attention_prefill import paged_prefill_attention, paged_prefill_
 from ...kernels.rotary import apply_rotary, apply_rotary_ref
 from ..parallel.context import SINGLE, ParallelContext
 from ..spec import ModelSpec
-from .linear import linear
+from .linear import concat_rows, linear
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
@@ -49,6 +49,8 @@ class SelfAttention:
         self.q, self.k, self.v, self.o = (weights[f"{prefix}.{n}_proj.weight"] for n in "qkvo")
         self.q_b, self.k_b, self.v_b, self.o_b = (weights.get(f"{prefix}.{n}_proj.bias") for n in "qkvo")
         self.sinks = weights.get(f"{prefix}.sinks") if spec.attention_sinks else None
+        # q, k and v read the same input: one fused weight is one kernel launch instead of three.
+        self.qkv = concat_rows([self.q, self.k, self.v], [self.q_b, self.k_b, self.v_b])
         for w, heads, what in ((self.q, self.heads, "q_proj"), (self.k, self.kv_heads, "k_proj")):
             if w.shape[0] != heads * self.head_dim:
                 raise ValueError(f"{prefix}.{what} has {w.shape[0]} rows, but rank {ctx.rank} of {ctx.world_size} "
@@ -57,9 +59,15 @@ class SelfAttention:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, cache) -> torch.Tensor:
         """x [T, hidden] packed over the batch; cos/sin [T, rotary_dim] carry the rotary angles."""
         t = x.shape[0]
-        q = linear(x, self.q, self.q_b).view(t, self.heads, self.head_dim)
-        k = linear(x, self.k, self.k_b).view(t, self.kv_heads, self.head_dim)
-        v = linear(x, self.v, self.v_b).view(t, self.kv_heads, self.head_dim)
+        if self.qkv is not None:
+            qkv = linear(x, *self.qkv)
+            q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                 self.kv_heads * self.head_dim], dim=-1)
+        else:
+            q, k, v = linear(x, self.q, self.q_b), linear(x, self.k, self.k_b), linear(x, self.v, self.v_b)
+        q = q.view(t, self.heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
+        v = v.view(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
         # One pass rotates q and k and stores the new keys and values in the paged cache.
         rotary = apply_rotary if x.is_cuda else apply_rotary_ref

@@ -21,3 +21,27 @@ def linear(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -
     else:
         weight = w.dequantize(x.dtype)
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def concat_rows(weights: list[LinearWeight], biases: list[torch.Tensor | None]
+                ) -> tuple[LinearWeight, torch.Tensor | None] | None:
+    """Several linears over the same input as one [sum N, K] weight (and bias), so one kernel
+    reads them all; None when their formats cannot share one record (mixed formats, FP8 block
+    rows not on the block grid, MXFP4)."""
+    first = weights[0]
+    if any(type(w) is not type(first) for w in weights) or (biases[0] is None) != all(b is None for b in biases):
+        return None
+    bias = None if biases[0] is None else torch.cat([b.to(biases[0].dtype) for b in biases])
+    if isinstance(first, DenseWeight):
+        if len({w.weight.dtype for w in weights}) > 1:
+            return None
+        return DenseWeight(torch.cat([w.weight for w in weights])), bias
+    if not isinstance(first, Fp8Weight) or any(w.block != first.block for w in weights):
+        return None
+    if first.block is None:  # channel or tensor scales both become one scale per row
+        scales = [w.scale.to(torch.float32).reshape(-1, 1).expand(w.shape[0], 1) for w in weights]
+        return Fp8Weight(torch.cat([w.weight for w in weights]), torch.cat(scales).contiguous()), bias
+    bn = first.block[0]
+    if any(w.shape[0] % bn for w in weights[:-1]):
+        return None
+    return Fp8Weight(torch.cat([w.weight for w in weights]), torch.cat([w.scale for w in weights]), first.block), bias
