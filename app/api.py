@@ -5,9 +5,17 @@ Wire format follows the OpenAI Chat Completions reference (https://platform.open
 errors as {"error": {"message", "type", "param", "code"}}. Reasoning goes in `reasoning_content`
 beside `content`, the field name vLLM and llama.cpp use for reasoning parsers.
 The body is parsed by hand, not by pydantic, so every malformed request gets the OpenAI error shape.
+Model cards carry localchat's own facts (placement, weight and KV-cache memory) under the extra key
+"localchat", beside the standard id/object/created/owned_by fields.
+
+A client that goes away aborts its request in the engine: while the answer is collected (plain
+requests) or before the first event is sent (streams) the connection is polled; once a stream has
+begun, Starlette cancels the event generator when the client disconnects, and a background task
+closes the engine stream in every case where the answer did not end by itself.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hmac
@@ -18,7 +26,8 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_image
@@ -27,6 +36,7 @@ from localchat.engine.runtime.request import (
 )
 
 DEFAULT_MAX_TOKENS = 4096
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<b64>.*)$", re.S)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -93,22 +103,36 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise ApiError(400, "The request body is not valid JSON.")
-            info = engine.info()
+            info = await run_in_threadpool(engine.info)
             parsed = await run_in_threadpool(parse_request, body, info, limits)
+            # Building the prompt (tokenizer, image processor) happens inside submit: keep it off the event loop.
             try:
-                stream = engine.submit(parsed.chat)
+                stream = await run_in_threadpool(engine.submit, parsed.chat)
             except ValueError as e:  # the engine refuses what it cannot run, e.g. a prompt over the context
-                raise ApiError(400, str(e), code="context_length_exceeded" if "context" in str(e) else None)
+                raise _refusal(str(e))
         except ApiError as e:
             return e.response()
         cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
         if parsed.stream:
+            # The first item decides the status: a refused prompt (its Final comes first) gets an HTTP
+            # error, not a 200 stream that carries the error in-band.
+            it = iter(stream)
+            first = await _unless_gone(request, stream, run_in_threadpool(next, it, None))
+            if first is _GONE:
+                return Response(status_code=499)
+            if isinstance(first, Final) and first.finish_reason == "error":
+                return _failure(first).response()
+            source = _EventSource(stream, it, first)
             return StreamingResponse(
-                _sse(stream, cid, created, info.name, parsed.include_usage),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, reasoning, final = await run_in_threadpool(_collect, stream)
+                _sse(source, cid, created, info.name, parsed.include_usage),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                background=BackgroundTask(source.close_unless_finished))
+        collected = await _unless_gone(request, stream, run_in_threadpool(_collect, stream))
+        if collected is _GONE:
+            return Response(status_code=499)  # nobody reads it; the request was aborted
+        text, reasoning, final = collected
         if final.finish_reason == "error":
-            return ApiError(500, final.error or "The engine failed while generating.", type="server_error").response()
+            return _failure(final).response()
         message = {"role": "assistant", "content": text}
         if reasoning:
             message["reasoning_content"] = reasoning
@@ -118,7 +142,11 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
                 "usage": _usage(final), "timings": _timings(final)}
 
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-    async def not_found(path: str):
+    async def not_found(path: str, request: Request):
+        if path in ("models", "chat/completions"):
+            allowed = "GET" if path == "models" else "POST"
+            return ApiError(405, f"/v1/{path} answers {allowed}, not {request.method}.",
+                            code="method_not_allowed").response()
         return ApiError(404, f"localchat does not serve /v1/{path}; it serves /v1/models and "
                              "/v1/chat/completions.", code="unknown_url").response()
 
@@ -132,8 +160,12 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
     model = body.get("model")
     if model is not None and model != info.name:
         raise _unknown_model(model, info)
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "Only n=1 is supported.", param="n")
+    if body.get("n") not in (None, 1):
+        raise ApiError(400, f"localchat answers one choice per request: 'n' must be 1 (got {body['n']!r}); "
+                            "send several requests for several answers.", param="n")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise ApiError(400, "localchat does not return log probabilities: leave out 'logprobs' and "
+                            "'top_logprobs'.", param="logprobs")
     if body.get("tools") or body.get("functions"):
         raise ApiError(400, "Tool and function calling are not supported by localchat yet.", param="tools")
     fmt = body.get("response_format")
@@ -148,12 +180,14 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
 
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     stop = body.get("stop")
-    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+    stop = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else stop
+    if stop is not None and (not isinstance(stop, tuple) or len(stop) > 4
+                             or not all(isinstance(s, str) and s for s in stop)):
         raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings.", param="stop")
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        # top_p 0 (allowed by OpenAI) keeps only the most likely token; the sampler's filter needs p > 0.
+        top_p=max(_number(body, "top_p", 1.0, 0.0, 1.0), 1e-6),
         top_k=int(_number(body, "top_k", 0, 0, 1e9, integer=True)),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-9, 10.0),
@@ -161,7 +195,7 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
         max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else int(
             _number(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
                     1, 1, info.context_length, integer=True)),
-        stop=stop,
+        stop=stop or (),
     )
     effort = body.get("reasoning_effort", "medium")
     if effort not in ("none", "minimal", "low", "medium", "high"):
@@ -220,10 +254,10 @@ def _parse_part(p: object, where: str, role: str, info: ModelInfo, limits: Image
     url = ref.get("url") if isinstance(ref, dict) else ref
     if not isinstance(url, str):
         raise ApiError(400, f"{where}.image_url.url must be a string.", param=where)
-    if url.startswith(("http://", "https://")):
-        raise ApiError(400, f"{where}: localchat works offline and does not fetch image URLs; send the "
-                            "image inline as 'data:image/png;base64,...' or 'data:image/jpeg;base64,...'.",
-                       param=where, code="image_url_not_supported")
+    if not url.startswith("data:"):
+        raise ApiError(400, f"{where}: only data: URLs are accepted for images (localchat works offline and "
+                            "fetches nothing); send the image inline as 'data:image/png;base64,...' or "
+                            "'data:image/jpeg;base64,...'.", param=where, code="image_url_not_supported")
     match = _DATA_URL.match(url)
     if not match:
         raise ApiError(400, f"{where}: image_url must be a base64 data: URL (data:image/png;base64,...).",
@@ -254,10 +288,51 @@ def _unknown_model(model: str, info: ModelInfo) -> ApiError:
                          "(see GET /v1/models).", param="model", code="model_not_found")
 
 
+def _refusal(message: str) -> ApiError:
+    """A prompt the engine will not run. Its messages name the context when that is the reason."""
+    context = "context" in message or "no room to answer" in message
+    return ApiError(400, message, code="context_length_exceeded" if context else None,
+                    param="messages" if context else None)
+
+
+def _failure(final: Final) -> ApiError:
+    """The error for a Final("error"): a refusal before any token (prompt too long) is the
+    client's to fix (400); anything else is the server's (500)."""
+    message = final.error or "The engine failed while generating."
+    if final.completion_tokens == 0 and ("context" in message or "no room to answer" in message):
+        return _refusal(message)
+    return ApiError(500, message, type="server_error")
+
+
 def _model_card(info: ModelInfo, created: int) -> dict:
+    """The standard fields, the top-level context_length/family/supports_images that other
+    localchat instances and vLLM-style clients read, and localchat's memory facts under
+    "localchat" (values the engine does not know are left out)."""
+    extra = {"family": info.family, "context_length": info.context_length,
+             "supports_images": info.supports_images, "placement": info.placement,
+             "weights_bytes": info.weights_bytes or None, "kv_cache_bytes": info.kv_cache_bytes,
+             "kv_cache_tokens": info.kv_cache_tokens}
     return {"id": info.name, "object": "model", "created": created, "owned_by": "localchat",
             "context_length": info.context_length, "family": info.family,
-            "supports_images": info.supports_images}
+            "supports_images": info.supports_images,
+            "localchat": {k: v for k, v in extra.items() if v is not None}}
+
+
+_GONE = object()
+
+
+async def _unless_gone(request: Request, stream: RequestStream, work):
+    """Awaits `work` (a thread-pool call reading `stream`); if the client disconnects first, closes
+    the stream (the engine aborts the request, so `work` ends soon) and returns _GONE."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            stream.close()
+            await asyncio.wait({task}, timeout=5)  # let the reader thread see the abort
+            return _GONE
 
 
 def _collect(stream: RequestStream) -> tuple[str, str, Final]:
@@ -275,26 +350,49 @@ def _collect(stream: RequestStream) -> tuple[str, str, Final]:
     return "".join(text), "".join(reasoning), final
 
 
-async def _sse(stream: RequestStream, cid: str, created: int, model: str, include_usage: bool):
-    """SSE events; leaving early (client gone: the next write fails and Starlette cancels
-    this generator) closes the engine stream, which aborts the request."""
+class _EventSource:
+    """One engine stream being sent as SSE: its iterator, the first item (read before the response
+    began), and whether the engine's Final arrived."""
+
+    def __init__(self, stream: RequestStream, it, first):
+        self.stream, self.it, self.first = stream, it, first
+        self.finished = self.closed = False
+
+    async def next(self):
+        if self.first is not None:
+            item, self.first = self.first, None
+            return item
+        return await run_in_threadpool(next, self.it, None)
+
+    def close_unless_finished(self) -> None:
+        # Also runs as the response's background task, after the client went away: a generator
+        # left suspended at a `yield` is only finalised later, so the abort must not wait for it.
+        if not self.finished and not self.closed:
+            self.closed = True
+            self.stream.close()
+
+
+async def _sse(source: _EventSource, cid: str, created: int, model: str, include_usage: bool):
+    """SSE events; leaving early (client gone: Starlette cancels this generator) closes the
+    engine stream, which aborts the request."""
     def event(delta: dict, finish: str | None = None, usage: dict | None = None) -> str:
         chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                  "choices": [] if usage else [{"index": 0, "delta": delta, "logprobs": None,
                                                "finish_reason": finish}]}
-        if usage:
+        if include_usage:  # as OpenAI does: null on every chunk but the last
             chunk["usage"] = usage
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
-    it, final = iter(stream), None
+    final = None
     try:
         yield event({"role": "assistant", "content": ""})
         while final is None:
-            item = await run_in_threadpool(next, it, None)
+            item = await source.next()
             if item is None:
                 break
             if isinstance(item, Final):
                 final = item
+                source.finished = True
             elif item.text or item.reasoning:
                 delta = {}
                 if item.reasoning:
@@ -303,16 +401,14 @@ async def _sse(stream: RequestStream, cid: str, created: int, model: str, includ
                     delta["content"] = item.text
                 yield event(delta)
         if final is not None and final.finish_reason == "error":
-            err = ApiError(500, final.error or "The engine failed while generating.", type="server_error")
-            yield f"data: {json.dumps(err.body())}\n\n"
+            yield f"data: {json.dumps(_failure(final).body())}\n\n"
         elif final is not None:
             yield event({}, _finish(final.finish_reason))
             if include_usage:
                 yield event({}, usage=_usage(final))
         yield "data: [DONE]\n\n"
     finally:
-        if final is None:
-            stream.close()
+        source.close_unless_finished()
 
 
 def _finish(reason: str) -> str:

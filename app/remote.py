@@ -194,13 +194,26 @@ class RemoteStream:
 
 
 def _model_info(card: dict, base_url: str) -> ModelInfo:
+    """From a model card. Another localchat adds its placement and memory under "localchat"; other
+    servers do not say, so those stay unknown (0 / None) and the model panel leaves them out."""
     name = card["id"]
+    ours = card.get("localchat") if isinstance(card.get("localchat"), dict) else {}
     context = next((int(card[k]) for k in _CONTEXT_KEYS if isinstance(card.get(k), int) and card[k] > 0),
                    DEFAULT_CONTEXT)
     gpt_oss = card.get("family") == "gpt_oss" or "gpt-oss" in name.lower()
+    placement = f"remote ({urlsplit(base_url).netloc})"
+    if isinstance(ours.get("placement"), str) and ours["placement"]:
+        placement += f" on {ours['placement']}"
     return ModelInfo(name=name, family=card.get("family") or ("gpt_oss" if gpt_oss else "remote"),
                      context_length=context, supports_images=bool(card.get("supports_images", True)),
-                     reasoning="effort" if gpt_oss else "thinking", placement=f"remote ({urlsplit(base_url).netloc})")
+                     reasoning="effort" if gpt_oss else "thinking", placement=placement,
+                     weights_bytes=_count(ours.get("weights_bytes")) or 0,
+                     kv_cache_bytes=_count(ours.get("kv_cache_bytes")), kv_cache_tokens=_count(ours.get("kv_cache_tokens")))
+
+
+def _count(value) -> int | None:
+    """A positive integer from a card, else None (absent, null or malformed: unknown)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _wire_message(m: Message) -> dict:

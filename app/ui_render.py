@@ -96,17 +96,24 @@ def status_line(m: StoredMessage) -> tuple[str, str]:
 
 
 def model_markdown(info: ModelInfo) -> str:
-    """The model panel: which model, where its weights live (as the engine reports its placement
-    over devices, one line per entry), and how much memory they take."""
+    """The model panel: which model, where it runs (as the engine reports its placement over
+    devices, one line per entry), and the memory its weights and KV cache take. Facts the engine
+    does not know (a remote backend's memory) are left out rather than shown as 0."""
     reasoning = "thinking on/off (GLM)" if info.reasoning == "thinking" else "reasoning effort low/medium/high"
-    weights = _bytes(info.weights_bytes) if info.weights_bytes else "unknown"
     parts = [p.strip() for p in str(info.placement).replace(";", "\n").splitlines() if p.strip()] or ["unknown"]
     placement = parts[0] if len(parts) == 1 else "".join(f"\n- {p}" for p in parts)
-    return (f"**{info.name}** ({info.family})  \n"
-            f"context {info.context_length:,} tokens · images {'yes' if info.supports_images else 'no'} · "
-            f"reasoning: {reasoning}  \n"
-            f"weights in memory: {weights}  \n"
-            f"placement: {placement}")
+    lines = [f"**{info.name}** ({info.family})",
+             f"context {info.context_length:,} tokens · images {'yes' if info.supports_images else 'no'} · "
+             f"reasoning: {reasoning}"]
+    if info.weights_bytes:
+        lines.append(f"weights in memory: {_bytes(info.weights_bytes)}")
+    if info.kv_cache_bytes:
+        holds = f", holds {info.kv_cache_tokens:,} tokens over all chats" if info.kv_cache_tokens else ""
+        lines.append(f"KV cache: {_bytes(info.kv_cache_bytes)}{holds}")
+    elif info.kv_cache_tokens:
+        lines.append(f"KV cache: holds {info.kv_cache_tokens:,} tokens over all chats")
+    lines.append(f"placement: {placement}")
+    return "  \n".join(lines)
 
 
 def _bytes(n: int) -> str:

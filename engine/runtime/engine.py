@@ -153,11 +153,15 @@ class Engine:
         return min(self.max_context, self.pool.num_blocks * self.block_size)
 
     def info(self) -> ModelInfo:
+        # Every tensor-parallel rank allocates a cache shaped like rank 0's (its share of the KV heads).
+        ranks = self.workers.world_size if self.workers else 1
+        kv_bytes = sum(t.numel() * t.element_size() for t in (self.cache.k, self.cache.v)) * ranks
         return ModelInfo(
             name=self.name, family=self.spec.family, context_length=self.context_limit,
             supports_images=self.spec.vision is not None,
             reasoning="thinking" if self.spec.family == "glm4v_moe" else "effort",
-            placement=self.workers.placement if self.workers else str(self.device), weights_bytes=self.weights_bytes)
+            placement=self.workers.placement if self.workers else str(self.device), weights_bytes=self.weights_bytes,
+            kv_cache_bytes=kv_bytes, kv_cache_tokens=self.pool.num_blocks * self.block_size)
 
     def submit(self, request: ChatRequest) -> EngineStream:
         """Queues a request; returns its stream at once. Refusals arrive as a Final("error")."""

@@ -128,6 +128,11 @@ class RequestStream(Protocol):
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """placement: where the model runs (devices; with tensor parallelism every rank's device).
+    weights_bytes: the weights held over all devices (0: unknown). kv_cache_bytes: the paged KV
+    cache allocated over all devices; kv_cache_tokens: how many tokens its pool holds, shared by
+    all running conversations (None: unknown, e.g. behind a remote backend)."""
+
     name: str
     family: str
     context_length: int
@@ -135,6 +140,8 @@ class ModelInfo:
     reasoning: Literal["thinking", "effort"]
     placement: str = "cpu"
     weights_bytes: int = 0
+    kv_cache_bytes: int | None = None
+    kv_cache_tokens: int | None = None
 
 
 class ChatEngine(Protocol):

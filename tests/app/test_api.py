@@ -1,15 +1,17 @@
 """/v1 through the official openai client (and httpx for raw shapes) against a live server."""
 import base64
+import json
 import time
 
 import httpx
 import openai
 import pytest
 
+from demo_engine import DemoEngine, slow_steps
 from fake_engine import FakeEngine
 from live_server import LiveServer, png_bytes
 from localchat.app.ui import create_app
-from localchat.engine.runtime.request import ImagePart, TextPart
+from localchat.engine.runtime.request import Final, ImagePart, TextPart
 
 KEY = "sk-local-test"
 
@@ -23,7 +25,12 @@ def api(history):
 
 def test_models_and_plain_completion(api):
     engine, client, _ = api
-    assert [m.id for m in client.models.list()] == ["fake-glm"]
+    models = client.models.list().data
+    assert [(m.id, m.object, m.owned_by) for m in models] == [("fake-glm", "model", "localchat")]
+    # localchat's own facts sit under one extra key; what the engine does not know is left out.
+    extra = models[0].model_extra["localchat"]
+    assert extra["weights_bytes"] == 123_000_000 and extra["placement"] == "cpu (fake)"
+    assert "kv_cache_bytes" not in extra and "kv_cache_tokens" not in extra
     r = client.chat.completions.create(
         model="fake-glm", messages=[{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"}],
         temperature=0.3, top_p=0.9, max_tokens=50, stop=["zzz"], seed=7)
@@ -31,6 +38,7 @@ def test_models_and_plain_completion(api):
     assert msg.content == "Seen 0 image(s). You said: hi w0 w1 w2 w3 w4 w5"
     assert msg.model_extra["reasoning_content"] == "Let me look. "
     assert r.choices[0].finish_reason == "stop" and r.object == "chat.completion"
+    assert r.id.startswith("chatcmpl-") and r.model == "fake-glm" and abs(r.created - time.time()) < 60
     assert r.usage.completion_tokens == 10 and r.usage.total_tokens == r.usage.prompt_tokens + 10
     s = engine.requests[-1].sampling
     assert (s.temperature, s.top_p, s.max_tokens, s.stop, s.seed) == (0.3, 0.9, 50, ("zzz",), 7)
@@ -54,6 +62,7 @@ def test_streaming_with_image_part_and_usage(api):
     assert reasoning == "Let me look. " and content.startswith("Seen 1 image(s). You said: describe")
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].choices == []
+    assert all(c.usage is None for c in chunks[:-1]) and len({c.id for c in chunks}) == 1
     parts = engine.requests[-1].messages[0].content
     assert isinstance(parts[0], TextPart) and isinstance(parts[1], ImagePart) and parts[1].image.size == (32, 24)
 
@@ -64,13 +73,19 @@ def test_errors_use_openai_format(api):
         client.chat.completions.create(model="fake-glm", messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
     assert e.value.status_code == 400 and e.value.code == "image_url_not_supported"
-    assert "offline" in e.value.message and e.value.param == "messages[0].content[0]"
+    assert "only data: URLs are accepted" in e.value.message and e.value.param == "messages[0].content[0]"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="fake-glm", n=2, messages=[{"role": "user", "content": "x"}])
+    assert e.value.param == "n" and "'n' must be 1" in e.value.message
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
     assert e.value.code == "model_not_found"
     headers = {"Authorization": f"Bearer {KEY}"}
     cases = [({"messages": []}, "messages"), ({"messages": [{"role": "user", "content": "x"}], "temperature": 5}, "temperature"),
              ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+             ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
+             ({"messages": [{"role": "user", "content": "x"}], "stop": {"a": 1}}, "stop"),
+             ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
               "messages[0].content[0]")]
     for body, param in cases:
@@ -80,6 +95,8 @@ def test_errors_use_openai_format(api):
     r = httpx.post(srv.url + "v1/chat/completions", content=b"{not json", headers=headers)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     assert httpx.get(srv.url + "v1/nothing", headers=headers).json()["error"]["code"] == "unknown_url"
+    r = httpx.get(srv.url + "v1/chat/completions", headers=headers)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
     assert engine.requests == []
 
 
@@ -116,3 +133,97 @@ def test_client_disconnect_aborts_engine_stream(api):
     while stream.finish_reason is None and time.time() - t < 5:
         time.sleep(0.02)
     assert stream.finish_reason == "abort"
+
+
+def test_history_system_stop_string_and_lenient_fields(api):
+    engine, client, srv = api
+    r = client.chat.completions.create(
+        model="fake-glm", stop="zzz", top_p=0, extra_body={"n": None},
+        messages=[{"role": "developer", "content": "be brief"},
+                  {"role": "user", "content": "first"},
+                  {"role": "assistant", "content": "an answer", "reasoning_content": "old thought"},
+                  {"role": "assistant", "content": None},
+                  {"role": "user", "content": [{"type": "text", "text": "second"}]}])
+    assert r.choices[0].message.content.startswith("Seen 0 image(s). You said: second")
+    req = engine.requests[-1]
+    assert [m.role for m in req.messages] == ["system", "user", "assistant", "assistant", "user"]
+    assert req.messages[2].reasoning == "old thought" and req.messages[2].content == (TextPart("an answer"),)
+    # top_p 0 keeps only the most likely token: passed on as a tiny positive p the sampler accepts.
+    assert req.sampling.stop == ("zzz",) and 0 < req.sampling.top_p <= 1e-6
+
+
+@pytest.fixture
+def demo_api(demo_runtime, history, monkeypatch):
+    """The real engine (demo checkpoint) behind /v1, slowed so a client can leave mid-answer; every
+    item each engine stream hands out is recorded, so tests see the Final the engine itself sent."""
+    slow_steps(monkeypatch, demo_runtime, 0.03)
+    engine = _RecordingEngine(demo_runtime, max_tokens=400)
+    with LiveServer(create_app(engine, history, api_key=KEY)) as srv:
+        yield engine, srv
+
+
+class _RecordingEngine(DemoEngine):
+    def submit(self, request):
+        stream = super().submit(request)
+        stream.seen = []
+        return _Recording(stream)
+
+
+class _Recording:
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __iter__(self):
+        for item in self.stream:
+            self.stream.seen.append(item)
+            yield item
+
+    def close(self):
+        self.stream.close()
+
+
+def _engine_final(engine, timeout=10):
+    """The Final the engine sent for the last request (read by the server, or still queued in the
+    engine stream once nobody reads it), after its KV blocks are back in the pool."""
+    stream, deadline = engine.streams[-1], time.time() + timeout
+    while True:
+        sent = [*stream.seen, *list(stream.items.queue)]
+        if sent and isinstance(sent[-1], Final) and \
+                engine.counters()["free_blocks"] == engine.counters()["num_blocks"]:
+            return sent[-1]
+        assert time.time() < deadline, "the engine did not end the request and free its KV blocks"
+        time.sleep(0.02)
+
+
+def test_client_disconnect_aborts_the_real_engine_request(demo_api):
+    engine, srv = demo_api
+    info = httpx.get(srv.url + "v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]
+    extra = info["localchat"]
+    assert extra["kv_cache_tokens"] == 16384 and extra["kv_cache_bytes"] > 0 and extra["weights_bytes"] > 0
+    body = {"model": "demo", "stream": True, "max_tokens": 400, "messages": [{"role": "user", "content": "go on"}]}
+    with httpx.stream("POST", srv.url + "v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+    assert any(line.startswith("data: {") and json.loads(line[6:])["choices"] for line in got)
+    final = _engine_final(engine)
+    assert engine.streams[-1].aborted.is_set()
+    assert final.finish_reason == "abort" and 0 < final.completion_tokens < 400
+
+    # A plain (non-streaming) request whose client gives up is aborted too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "v1/chat/completions", json={**body, "stream": False}, timeout=httpx.Timeout(5, read=0.5),
+                   headers={"Authorization": f"Bearer {KEY}"})
+    final = _engine_final(engine)
+    assert final.finish_reason == "abort" and final.completion_tokens < 400
+
+
+def test_prompt_over_the_context_is_a_400_before_any_stream(demo_api):
+    engine, srv = demo_api
+    client = openai.OpenAI(base_url=srv.url + "v1", api_key=KEY, max_retries=0)
+    long = [{"role": "user", "content": "the quick brown fox " * 5000}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="demo", messages=long, stream=stream, max_tokens=8)
+        assert e.value.code == "context_length_exceeded" and "8192" in e.value.message

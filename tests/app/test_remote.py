@@ -36,7 +36,20 @@ def test_info_comes_from_the_model_list(server):
     _, url = server
     info = RemoteEngine(url, api_key=KEY).info()
     assert (info.name, info.context_length, info.supports_images, info.reasoning) == ("fake-glm", 8192, True, "thinking")
-    assert info.placement.startswith("remote (127.0.0.1:")
+    assert info.placement.startswith("remote (127.0.0.1:") and info.placement.endswith(" on cpu (fake)")
+    # Another localchat reports its weight memory; the fake engine knows no KV cache size: unknown stays None.
+    assert info.weights_bytes == 123_000_000 and info.kv_cache_bytes is None and info.kv_cache_tokens is None
+
+
+def test_info_from_a_plain_openai_card_leaves_memory_unknown():
+    from localchat.app.remote import _model_info
+
+    info = _model_info({"id": "some-model", "object": "model", "max_model_len": 4096}, "http://h:8000/v1")
+    assert (info.context_length, info.placement, info.weights_bytes, info.kv_cache_bytes) == \
+        (4096, "remote (h:8000)", 0, None)
+    full = _model_info({"id": "demo", "localchat": {"kv_cache_bytes": 25_165_824, "kv_cache_tokens": 16384,
+                                                   "weights_bytes": True}}, "http://h:8000/v1")
+    assert (full.kv_cache_bytes, full.kv_cache_tokens, full.weights_bytes) == (25_165_824, 16384, 0)
 
 
 def test_streams_text_reasoning_and_usage_with_sampling_params(server):

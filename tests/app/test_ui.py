@@ -183,8 +183,20 @@ def test_model_panel_shows_the_engines_placement_and_memory():
     from localchat.app.ui_render import model_markdown
     from localchat.engine.runtime.request import ModelInfo
 
-    one = model_markdown(ModelInfo("demo", "glm4v_moe", 8192, True, "thinking", "cpu", 1_556_672))
+    one = model_markdown(ModelInfo("demo", "glm4v_moe", 8192, True, "thinking", "cpu", 1_556_672,
+                                   kv_cache_bytes=25_165_824, kv_cache_tokens=16384))
     assert "placement: cpu" in one and "1.6 MB" in one and "8,192 tokens" in one
+    assert "KV cache: 25.2 MB, holds 16,384 tokens" in one
     split = model_markdown(ModelInfo("glm-4.5v-fp8", "glm4v_moe", 65536, True, "thinking",
                                      "cuda:0 layers 0-22; cuda:1 layers 23-45", 108_000_000_000))
     assert "\n- cuda:0 layers 0-22\n- cuda:1 layers 23-45" in split and "108.0 GB" in split
+    # Unknown memory (a remote backend) is left out, not shown as 0 or "unknown".
+    remote = model_markdown(ModelInfo("glm", "remote", 32768, True, "thinking", "remote (gpu-box:8000)"))
+    assert "weights" not in remote and "KV cache" not in remote and "placement: remote (gpu-box:8000)" in remote
+
+
+def test_engine_reports_its_kv_cache(demo_runtime):
+    info = demo_runtime.info()
+    cache = demo_runtime.cache
+    assert info.kv_cache_bytes == 2 * cache.k.numel() * cache.k.element_size() > 0
+    assert info.kv_cache_tokens == demo_runtime.pool.num_blocks * demo_runtime.block_size >= info.context_length
