@@ -98,7 +98,7 @@ class ChatController:
                     prepared.append(prepare_image(f.read(), os.path.basename(path), self.limits))
         except ImageRejected as e:
             # Shown in the chat, not stored; the textbox keeps the message so it can be fixed.
-            return self._rendered(cid) + [{"role": "assistant", "content": f"⚠️ {e}"}], keep, cid, False, keep
+            return self._rendered(cid) + [{"role": "assistant", "content": f"**Image not accepted:** {e}"}], keep, cid, False, keep
         if not self.history.exists(cid):
             cid = self.history.create(title=(text or "Image chat")[:60])
         self.history.set_settings(cid, self.settings_from(settings))
@@ -154,7 +154,7 @@ class ChatController:
         try:
             stream = self.engine.submit(self._request(cid))
         except ValueError as e:  # e.g. the prompt does not fit the context
-            yield base + [{"role": "assistant", "content": f"⚠️ {e}"}]
+            yield base + [{"role": "assistant", "content": f"**Error:** {e}"}]
             return
         session = self._session(request)
         with self._lock:

@@ -42,8 +42,9 @@ def render(messages: list[StoredMessage], history: History) -> tuple[list[dict],
             add({"role": "assistant", "content": m.reasoning, "metadata": meta}, m.position)
         text, boxes = label_answer(m.text, live=live)
         if m.status == ERROR and m.stats.get("error"):
-            # Shown in the answer's place, not only inside the collapsed status line.
-            text = (text + "\n\n" if text else "") + f"⚠️ {m.stats['error']}"
+            # Shown in the answer's place, not only inside the collapsed status line. Words, not an
+            # emoji: emoji fonts are missing on many Linux desktops.
+            text = (text + "\n\n" if text else "") + f"**Error:** {m.stats['error']}"
         if text or not m.reasoning:
             add({"role": "assistant", "content": text or ("…" if live else _EMPTY.get(m.status, "(no answer)"))},
                 m.position)

@@ -13,7 +13,7 @@ from localchat.app.ui import create_app
 
 @pytest.fixture
 def demo_engine(demo_runtime, monkeypatch):
-    slow_steps(monkeypatch, demo_runtime, 0.04)  # so Stop lands mid-answer
+    slow_steps(monkeypatch, demo_runtime, 0.1)  # so Stop lands mid-answer, even on a loaded machine
     return DemoEngine(demo_runtime, max_tokens=48)
 
 
@@ -74,4 +74,4 @@ def test_a_prompt_too_long_for_the_context_gets_a_message_with_the_limit(demo_ch
     finally:
         engine.shutdown()
     shown = [m["content"] for m in chat if m["role"] == "assistant" and not m.get("metadata")]
-    assert any("context holds 48" in c and "⚠️" in c for c in shown), shown
+    assert any("context holds 48" in c and "Error:" in c for c in shown), shown
