@@ -108,6 +108,8 @@ def test_bad_inputs_get_a_message_and_store_nothing(live, tmp_path, images):
     notimg.write_bytes(b"this is text, not a picture")
     chat, _, _ = client.predict({"text": "x", "files": [handle_file(str(notimg))]}, api_name="/send")
     assert "not an image" in _text(chat[-1])
+    # Plain words, not an emoji that renders as a box where no emoji font is installed.
+    assert _text(chat[-1]).startswith("**Image not accepted:**")
     chat, _, _ = client.predict({"text": "x", "files": [handle_file(images[0])] * 4}, api_name="/send")
     assert "limit is 3 per message" in _text(chat[-1])
     big = tmp_path / "big.png"
