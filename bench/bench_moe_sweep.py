@@ -29,12 +29,12 @@ from localchat.kernels.moe_routing import route_glm, route_gpt_oss  # noqa: E402
 COPY_CEILING_GBS = 4270.0  # measured device-to-device copy on one H200 (DESIGN.md)
 CALLS = 20
 
-# (block_m, block_n, block_k, num_warps) of the new row kernels tried per token count:
+# (block_m, block_n, block_k, num_warps[, max_registers]) of the new row kernels per token count:
 # MXFP4 word decode (mx_words) and dense/FP8 elementwise accumulators (wide_acc); block_m > 1
 # groups each expert's pairs through moe_align so its weights are decoded/read once.
 NEW_CANDIDATES = {
     "mxfp4": {
-        1: [(1, 16, 512, 4), (1, 16, 256, 2), (1, 32, 256, 4), (1, 32, 512, 4), (1, 8, 256, 1)],
+        1: [(1, 16, 512, 4), (1, 16, 256, 2), (1, 32, 256, 4), (1, 32, 512, 4), (1, 32, 512, 4, 168), (1, 8, 256, 1)],
         8: [(1, 16, 512, 4), (1, 16, 256, 2), (1, 32, 256, 4), (2, 16, 512, 4)],
         32: [(1, 16, 512, 4), (1, 32, 256, 4), (2, 16, 512, 4), (2, 16, 256, 4), (4, 16, 512, 4),
              (4, 16, 256, 4)],
@@ -118,10 +118,10 @@ def line(name, t, label, us, nbytes, err):
     return text
 
 
-def new_config(fmt, bm, bn, bk, nw):
+def new_config(fmt, bm, bn, bk, nw, max_registers=0):
     if fmt == "mxfp4":
-        return MoeConfig(bm, bn, bk, nw, 1, gemv=True, mx_words=True)
-    return MoeConfig(bm, bn, bk, nw, 1, gemv=True, wide_acc=True)
+        return MoeConfig(bm, bn, bk, nw, 1, gemv=True, mx_words=True, max_registers=max_registers)
+    return MoeConfig(bm, bn, bk, nw, 1, gemv=True, wide_acc=True, max_registers=max_registers)
 
 
 def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile):
@@ -183,7 +183,8 @@ def _label(cfg):
     if not cfg.gemv:
         return f"tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
     kind = "words" if cfg.mx_words else "wide" if cfg.wide_acc else "gemv"
-    return f"{kind} m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    regs = f" r{cfg.max_registers}" if cfg.max_registers else ""
+    return f"{kind} m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{regs}"
 
 
 def main():

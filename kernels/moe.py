@@ -69,6 +69,7 @@ class MoeConfig:
     gemv: bool = False  # row-streaming kernels for decode sizes; block_m=1 also skips moe_align
     mx_words: bool = False  # MXFP4 row streaming: decode int32 words of 8 codes (kernels/moe_gemv.py)
     wide_acc: bool = False  # dense/FP8 row streaming: elementwise accumulators, one reduction at the end
+    max_registers: int = 0  # registers per thread the compiler may use (0: its choice), for occupancy
 
 
 def _rows(w: LinearWeight, rows: slice) -> LinearWeight:
@@ -229,6 +230,8 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         raise ValueError("gate and up biases must share strides")
     x_fmt = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "fp32")
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.max_registers:
+        launch["maxnreg"] = cfg.max_registers
     gate_up_args = (x, x.stride(0), wg, wu, wg.stride(0), wg.stride(1), sg, su, *s_strides,
                     bg, bu, bg.stride(0) if has_bias else 0, bg.stride(1) if has_bias else 0,
                     act, act.stride(0), sorted_ids, block_expert, num_pairs, i, h, k,
@@ -256,8 +259,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     else:
         moe_gate_up_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             *gate_up_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **gate_up_meta)
-    # zeroed: pairs of expert -1 are never written, and the combine sums every pair's row
-    y = torch.zeros((num_pairs, h), dtype=torch.float32, device=x.device)
+    y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias = experts.down_bias is not None
     bd = experts.down_bias if has_down_bias else x
     pair_weights = topk_weights.reshape(-1).to(torch.float32)
@@ -280,7 +282,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         moe_down_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
             *down_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **down_meta)
     block_h = min(1024, triton.next_power_of_2(h))
-    moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, out, h, TOP_K=k, BLOCK_H=block_h)
+    moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_ids, out, h, TOP_K=k, BLOCK_H=block_h)
     return out
 
 
