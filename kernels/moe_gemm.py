@@ -188,12 +188,14 @@ def moe_down_kernel(
 
 
 @triton.jit
-def moe_combine_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t, :] = sum_j y[t * TOP_K + j, :] (y float32 [T*k, H]) cast to out's dtype."""
+def moe_combine_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t, :] = sum_j y[t * TOP_K + j, :] (y float32 [T*k, H]) cast to out's dtype, over the
+    pairs whose expert id (ids [T*k]) is not -1: those rows were never written."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (t * TOP_K + j) * H + h, mask=mask, other=0.0)
+        here = tl.load(ids_ptr + t * TOP_K + j) >= 0
+        acc += tl.load(y_ptr + (t * TOP_K + j) * H + h, mask=mask & here, other=0.0)
     tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=mask)
