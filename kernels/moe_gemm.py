@@ -196,6 +196,7 @@ def moe_combine_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H:
     mask = h < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        here = tl.load(ids_ptr + t * TOP_K + j) >= 0
+        # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
+        here = (h * 0 + tl.load(ids_ptr + t * TOP_K + j)) >= 0
         acc += tl.load(y_ptr + (t * TOP_K + j) * H + h, mask=mask & here, other=0.0)
     tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=mask)
