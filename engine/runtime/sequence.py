@@ -136,6 +136,16 @@ class Sequence:
         tail = (torch.arange(start, hi) + delta).expand(3, -1)
         return torch.cat((head, tail), dim=1)
 
+    def position_at(self, p: int) -> int | list[int]:
+        """The rotary position of token p without building tensors (the decode hot path): an int,
+        or the three M-RoPE axes."""
+        if self.mrope is None:
+            return p
+        positions, delta = self.mrope
+        if p >= self.prompt_len:
+            return [p + delta] * 3
+        return positions[:, p].tolist()
+
     def images_to_encode(self) -> list[ImageSpan]:
         """Images with tokens not yet in the cache (those wholly inside reused blocks are skipped)."""
         return [s for s in self.spans if s.end > self.num_computed]
@@ -150,9 +160,10 @@ class Sequence:
                 parts.append(self.features[base + a:base + b])
         return torch.cat(parts) if parts else None
 
-    def penalty_context(self, device) -> torch.Tensor:
+    def penalty_context(self, device) -> torch.Tensor | None:
+        """The ids the repetition penalty looks at, or None when the request has no penalty."""
         if not self._penalty_ctx:
-            return torch.empty(0, dtype=torch.long, device=device)
+            return None
         return torch.tensor(self.tokens, dtype=torch.long, device=device)
 
     # ---- output ---------------------------------------------------------------------------

@@ -88,9 +88,10 @@ class StepRunner:
         bs = self.cache.block_size
         seqs = [seq for seq, _ in plan]
         pos = [seq.num_computed for seq in seqs]
+        positions = torch.tensor([seq.position_at(p) for seq, p in zip(seqs, pos)])  # [B] or [B, 3]
         logits = self.graphs.run(
             [seq.tokens[p] for seq, p in zip(seqs, pos)],
-            torch.cat([seq.rope_positions(p, p + 1) for seq, p in zip(seqs, pos)], dim=-1),
+            positions.T if positions.dim() == 2 else positions,
             [seq.blocks[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)],
             [p + 1 for p in pos], [seq.blocks for seq in seqs])
         self.counters.steps += 1
