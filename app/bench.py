@@ -191,11 +191,13 @@ def bench_model(name: str, args) -> dict:
                   f"+ first token {img['first_token_ms']:.1f}", flush=True)
     finally:
         engine.shutdown()
+    del engine  # its KV cache and graphs, before transformers' copy of the weights needs the room
+    torch.cuda.empty_cache()
     if args.compare == "transformers":
         from .bench_compare import compare_transformers
 
         result["compare"] = compare_transformers(name, spec, weights, args)
-    del model, weights, engine
+    del model, weights
     torch.cuda.empty_cache()
     return result
 

@@ -19,33 +19,35 @@ from ..engine.models import build_model
 from ..engine.spec import ModelSpec
 from ..engine.weights.formats import DenseWeight
 
-BF16_BUDGET = 60e9  # bytes of bf16 weights that may sit beside the engine's on one H200
 ARCHITECTURES = {"gpt_oss": "GptOssForCausalLM", "glm4v_moe": "Glm4vMoeForConditionalGeneration"}
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
-def hf_state_dict(store: dict, family: str, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The engine's weight store -> a transformers state dict in `dtype` (quantised weights
-    dequantised; experts back in transformers' fused layouts)."""
-    out, gates = {}, {}
+def hf_tensors(store: dict, family: str, dtype: torch.dtype = torch.bfloat16):
+    """The engine's weight store as transformers' (name, tensor) pairs in `dtype`, one at a time
+    (quantised weights dequantised; experts back in transformers' fused layouts)."""
+    gates: dict[str, dict[str, torch.Tensor]] = {}
     for name, w in store.items():
         t = w if isinstance(w, torch.Tensor) else (w.weight if isinstance(w, DenseWeight) else w.dequantize(dtype))
         t = t.to(dtype) if t.is_floating_point() else t
-        if ".mlp.experts." in name:
-            base = name.rsplit(".", 2)[0]  # ...mlp.experts
-            proj, kind = name.rsplit(".", 2)[1:]
-            if family == "gpt_oss":  # transformers keeps gpt-oss experts as [E, in, out]
-                out[f"{base}.{proj}" + ("_bias" if kind == "bias" else "")] = t if kind == "bias" else t.transpose(1, 2)
-                continue
-            if proj in ("gate_proj", "up_proj"):  # GLM: one [E, 2I, H] tensor, gate rows first
-                gates.setdefault(base, {})[proj] = t
-                continue
-            out[f"{base}.down_proj"] = t
+        if ".mlp.experts." not in name:
+            yield name, t
             continue
-        out[name] = t
-    for base, pair in gates.items():
-        out[f"{base}.gate_up_proj"] = torch.cat((pair["gate_proj"], pair["up_proj"]), dim=1)
-    return out
+        base = name.rsplit(".", 2)[0]  # ...mlp.experts
+        proj, kind = name.rsplit(".", 2)[1:]
+        if family == "gpt_oss":  # transformers keeps gpt-oss experts as [E, in, out]
+            yield (f"{base}.{proj}_bias", t) if kind == "bias" else (f"{base}.{proj}", t.transpose(1, 2))
+        elif proj in ("gate_proj", "up_proj"):  # GLM: one [E, 2I, H] tensor, gate rows first
+            pair = gates.setdefault(base, {})
+            pair[proj] = t
+            if len(pair) == 2:
+                yield f"{base}.gate_up_proj", torch.cat((pair.pop("gate_proj"), pair.pop("up_proj")), dim=1)
+        else:
+            yield f"{base}.down_proj", t
+
+
+def hf_state_dict(store: dict, family: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    return dict(hf_tensors(store, family, dtype))
 
 
 def first_layers(store: dict, layers: int) -> dict:
@@ -53,8 +55,9 @@ def first_layers(store: dict, layers: int) -> dict:
             or ".visual." in k}
 
 
-def hf_model(cfg: dict, layers: int, state: dict, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
-    """transformers' model for a config.json dict, cut to `layers`, holding `state`."""
+def hf_model(cfg: dict, layers: int, state, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+    """transformers' model for a config.json dict, cut to `layers`, holding `state` ((name,
+    tensor) pairs, copied in one at a time so only one extra tensor exists at once)."""
     import transformers
 
     cfg = json.loads(json.dumps(cfg))  # a deep copy: the caller's dict stays as it was
@@ -73,8 +76,16 @@ def hf_model(cfg: dict, layers: int, state: dict, device: str = "cuda", dtype: t
             model = arch(config).eval()
     finally:
         torch.set_default_dtype(previous)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if "rotary" not in k]
+    params = model.state_dict()
+    unexpected, seen = [], set()
+    with torch.no_grad():
+        for name, tensor in (state.items() if isinstance(state, dict) else state):
+            if name not in params or params[name].shape != tensor.shape:
+                unexpected.append(name)
+                continue
+            params[name].copy_(tensor)
+            seen.add(name)
+    missing = [k for k in params if k not in seen and "rotary" not in k]
     if missing or unexpected:
         raise RuntimeError(f"transformers' {arch.__name__} does not take these weights: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
@@ -95,11 +106,26 @@ def hf_decode_tok_s(model, prompt_len: int, gen_len: int) -> float:
     return gen_len / (timings[gen_len + 1] - timings[1])
 
 
+def compare_depth(spec: ModelSpec, weights: dict, spare_bytes: float = 12e9) -> int:
+    """The whole model when its bf16 copy fits in the free GPU memory (less `spare_bytes` for the
+    cut engine's KV cache and both engines' activations), else the most layers that fit, at most 8."""
+    per_layer: dict[int, int] = {}
+    rest = 0
+    for name, w in weights.items():
+        m = _LAYER.search(name)
+        if m is None or ".visual." in name:
+            rest += math.prod(w.shape)
+        else:
+            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + math.prod(w.shape)
+    room = (torch.cuda.mem_get_info()[0] - spare_bytes) / 2 - rest  # bf16: 2 bytes a parameter
+    fits = int(room // max(per_layer.values()))
+    return spec.num_layers if fits >= spec.num_layers else max(1, min(8, fits))
+
+
 def compare_transformers(name: str, spec: ModelSpec, weights: dict, args) -> dict:
     from .bench import make_engine, measure_batch, spec_for
 
-    params = sum(math.prod(w.shape) for w in weights.values())
-    layers = args.compare_layers or (spec.num_layers if 2 * params <= BF16_BUDGET else min(8, spec.num_layers))
+    layers = args.compare_layers or compare_depth(spec, weights)
     cut_spec = spec_for(name, layers) if layers != spec.num_layers else spec
     cut = first_layers(weights, layers)
     engine = make_engine(cut_spec, build_model(cut_spec, cut, "cuda"), 0, args.prompt_len, args.gen_len, 1, 0)
@@ -108,7 +134,7 @@ def compare_transformers(name: str, spec: ModelSpec, weights: dict, args) -> dic
         ours = measure_batch(engine, cut_spec, cut, 1, args.prompt_len, args.gen_len)["tok_s_per_stream"]
     finally:
         engine.shutdown()
-    model = hf_model(model_config(name), layers, hf_state_dict(cut, spec.family))
+    model = hf_model(model_config(name), layers, hf_tensors(cut, spec.family))
     theirs = hf_decode_tok_s(model, args.prompt_len, min(args.gen_len, 64))
     del model
     torch.cuda.empty_cache()
