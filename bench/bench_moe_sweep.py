@@ -1,9 +1,9 @@
 """Sweep MoE kernel configs at decode sizes on one GPU and print GB/s against the copy ceiling.
 
-    python bench/bench_moe_sweep.py [--ts 1,8,32] [--only mxfp4,fp8_channel,fp8_block] [--tile]
+    python bench/bench_moe_sweep.py [--ts 1,8,32] [--only mxfp4,fp8_channel,fp8_block,mxfp4_20b] [--tile]
 
 Cases: gpt-oss-120b MXFP4 (E=128, k=4, H=I=2880), GLM-4.5V FP8 channel and 128x128-block
-(E=128, k=8, H=4096, I=1408), random weights. Each timing is a CUDA graph of 20 fused_moe calls,
+(E=128, k=8, H=4096, I=1408), gpt-oss-20b (E=32, defaults only), random weights. Each timing is a CUDA graph of 20 fused_moe calls,
 each with its own routing (so consecutive calls read different experts and the 50 MB L2 does
 not serve the next call's weights), median of 10 replays. Bytes: the selected experts' weights
 and scales, averaged over the 20 routings. Every candidate's output is checked against the
@@ -29,29 +29,22 @@ from localchat.kernels.moe_routing import route_glm, route_gpt_oss  # noqa: E402
 COPY_CEILING_GBS = 4270.0  # measured device-to-device copy on one H200 (DESIGN.md)
 CALLS = 20
 
-# (block_m, block_n, block_k, num_warps[, max_registers]) of the new row kernels per token count:
-# MXFP4 word decode (mx_words) and dense/FP8 elementwise accumulators (wide_acc); block_m > 1
+# (block_m, block_n, block_k, num_warps) of the prefetching row kernels tried per token count:
+# MXFP4 word decode (mx_words + prefetch) and the dense/FP8 stream kernels (prefetch); block_m > 1
 # groups each expert's pairs through moe_align so its weights are decoded/read once.
 NEW_CANDIDATES = {
     "mxfp4": {
-        1: [(1, 16, 512, 4), (1, 16, 256, 2), (1, 32, 256, 4), (1, 32, 512, 4), (1, 32, 512, 4, 168), (1, 8, 256, 1)],
-        8: [(1, 16, 512, 4), (1, 16, 256, 2), (1, 32, 256, 4), (2, 16, 512, 4)],
-        32: [(1, 16, 512, 4), (1, 32, 256, 4), (2, 16, 512, 4), (2, 16, 256, 4), (4, 16, 512, 4),
-             (4, 16, 256, 4)],
+        1: [(1, 8, 256, 1), (1, 16, 256, 2), (1, 16, 512, 4), (1, 32, 256, 4), (1, 8, 512, 1)],
+        8: [(1, 8, 256, 1), (1, 16, 256, 2), (1, 16, 512, 4), (1, 32, 256, 4)],
+        32: [(1, 16, 256, 2), (1, 32, 256, 4), (2, 16, 256, 4), (4, 16, 256, 4), (2, 8, 256, 2)],
     },
     "fp8_channel": {
         1: [(1, 16, 256, 4), (1, 16, 128, 4), (1, 32, 128, 4), (1, 8, 256, 2), (1, 16, 512, 4)],
         8: [(1, 16, 256, 4), (1, 16, 128, 4), (1, 32, 128, 4)],
         32: [(1, 16, 256, 4), (1, 16, 128, 4), (2, 16, 128, 4), (2, 8, 256, 2)],
     },
-    "fp8_block": {
-        1: [(1, 16, 256, 4), (1, 16, 128, 4), (1, 32, 128, 4), (1, 8, 256, 2), (1, 16, 512, 4)],
-        8: [(1, 16, 256, 4), (1, 16, 128, 4), (1, 32, 128, 4)],
-        32: [(1, 16, 256, 4), (1, 16, 128, 4), (2, 16, 128, 4), (2, 8, 256, 2)],
-    },
 }
-# the per-chunk-reduction gemv with a K step over two 128-wide FP8 scale blocks
-OLD_WIDE_K = {"fp8_block": [(1, 16, 256, 4)]}
+NEW_CANDIDATES["fp8_block"] = NEW_CANDIDATES["fp8_channel"]
 
 
 def make_case(fmt, e, h, i):
@@ -118,13 +111,11 @@ def line(name, t, label, us, nbytes, err):
     return text
 
 
-def new_config(fmt, bm, bn, bk, nw, max_registers=0):
-    if fmt == "mxfp4":
-        return MoeConfig(bm, bn, bk, nw, 1, gemv=True, mx_words=True, max_registers=max_registers)
-    return MoeConfig(bm, bn, bk, nw, 1, gemv=True, wide_acc=True, max_registers=max_registers)
+def new_config(fmt, bm, bn, bk, nw):
+    return MoeConfig(bm, bn, bk, nw, 1, gemv=True, mx_words=fmt == "mxfp4", prefetch=True)
 
 
-def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile):
+def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile, candidates=True):
     experts = make_case(fmt, e, h, i)
     per_expert = expert_bytes(experts)
     fmt_code = {"mxfp4": 3, "fp8_channel": 1, "fp8_block": 2}[fmt]
@@ -146,10 +137,7 @@ def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile):
         if with_tile:
             tile = MoeConfig(16, 32, 256 if fmt == "mxfp4" else 128, 4, 4)
             cands.append((_label(tile), tile))
-        for bm, bn, bk, nw in OLD_WIDE_K.get(fmt, []):
-            cfg = MoeConfig(bm, bn, bk, nw, 1, gemv=True)
-            cands.append((_label(cfg), cfg))
-        for spec in NEW_CANDIDATES[fmt].get(t, NEW_CANDIDATES[fmt][32]):
+        for spec in NEW_CANDIDATES[fmt].get(t, NEW_CANDIDATES[fmt][32]) if candidates else []:
             cfg = new_config(fmt, *spec)
             cands.append((_label(cfg), cfg))
         results = []
@@ -182,15 +170,15 @@ def _flush(rows):
 def _label(cfg):
     if not cfg.gemv:
         return f"tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-    kind = "words" if cfg.mx_words else "wide" if cfg.wide_acc else "gemv"
+    kind = ("words" if cfg.mx_words else "stream" if cfg.prefetch else "gemv") + (" pf" if cfg.prefetch and cfg.mx_words else "")
     regs = f" r{cfg.max_registers}" if cfg.max_registers else ""
-    return f"{kind} m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{regs}"
+    return f"{kind} m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps}{regs}"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ts", default="1,8,32")
-    parser.add_argument("--only", default="mxfp4,fp8_channel,fp8_block")
+    parser.add_argument("--only", default="mxfp4,fp8_channel,fp8_block,mxfp4_20b")
     parser.add_argument("--tile", action="store_true", help="also time the tensor-core tile kernel")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -199,12 +187,14 @@ def main():
     print(f"# {dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     print(HEADER)
     rows: list[str] = []
-    cases = [("gpt-oss-120b MXFP4", "mxfp4", 128, 4, 2880, 2880),
-             ("GLM-4.5V FP8 channel", "fp8_channel", 128, 8, 4096, 1408),
-             ("GLM-4.5V FP8 block", "fp8_block", 128, 8, 4096, 1408)]
-    for case in cases:
-        if case[1] in args.only.split(","):
-            sweep_case(*case, ts, rows, args.tile)
+    cases = [("mxfp4", "gpt-oss-120b MXFP4", "mxfp4", 128, 4, 2880, 2880),
+             ("fp8_channel", "GLM-4.5V FP8 channel", "fp8_channel", 128, 8, 4096, 1408),
+             ("fp8_block", "GLM-4.5V FP8 block", "fp8_block", 128, 8, 4096, 1408),
+             ("mxfp4_20b", "gpt-oss-20b MXFP4", "mxfp4", 32, 4, 2880, 2880)]
+    for key, *case in cases:
+        if key in args.only.split(","):
+            # gpt-oss-20b: the defaults only, against the previous default
+            sweep_case(*case, ts, rows, args.tile, candidates=key != "mxfp4_20b")
     _flush(rows)
 
 

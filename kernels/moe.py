@@ -24,8 +24,8 @@ from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4
 from .moe_align import moe_align
 from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4,
                        moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
-from .moe_gemv import (moe_down_gemv_kernel, moe_down_wide_kernel, moe_down_words_kernel, moe_gate_up_gemv_kernel,
-                       moe_gate_up_wide_kernel, moe_gate_up_words_kernel)
+from .moe_gemv import (moe_down_gemv_kernel, moe_down_stream_kernel, moe_down_words_kernel, moe_gate_up_gemv_kernel,
+                       moe_gate_up_stream_kernel, moe_gate_up_words_kernel)
 
 ACTIVATIONS = {"silu_glu": ACT_SILU_GLU, "swiglu_clamped": ACT_SWIGLU_OAI}
 
@@ -68,7 +68,7 @@ class MoeConfig:
     mx_dot_scaled: bool = True  # MXFP4 through tl.dot_scaled, else the in-kernel bit decode
     gemv: bool = False  # row-streaming kernels for decode sizes; block_m=1 also skips moe_align
     mx_words: bool = False  # MXFP4 row streaming: decode int32 words of 8 codes (kernels/moe_gemv.py)
-    wide_acc: bool = False  # dense/FP8 row streaming: elementwise accumulators, one reduction at the end
+    prefetch: bool = False  # row streaming with the next K chunk in flight (MXFP4 words; dense/FP8 stream kernels)
     max_registers: int = 0  # registers per thread the compiler may use (0: its choice), for occupancy
 
 
@@ -111,16 +111,24 @@ SHARED_MEMORY_BUDGET = 200 * 1024
 def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2) -> MoeConfig:
     """Tile sizes by the expected pairs per expert (uniform routing). Up to two pairs per expert
     (decode: gpt-oss-120b to 64 tokens, GLM-4.5V to 32) the row-streaming kernels with one pair
-    per program win on an H200 (bench/bench_moe_sweep.py, BENCHMARKS.md "MoE sweep"); above,
-    tensor-core tiles."""
+    per program win on an H200 (bench/bench_moe_sweep.py, bench/NOTES-moe.md); above,
+    tensor-core tiles. MXFP4 takes the word-decode kernel, with narrower programs (more of them
+    per SM to keep loads in flight) at fewer pairs; block-scaled FP8 at up to half a pair per
+    expert steps over two 128-wide scale blocks."""
     if not on_gpu:
         return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
     per_expert = num_pairs / max(num_experts, 1)
     if per_expert <= 2:
         if fmt == FMT_MXFP4:
-            return MoeConfig(1, 8, 512, 4, 1, gemv=True)
+            if per_expert <= 0.1:
+                return MoeConfig(1, 8, 256, 1, 1, gemv=True, mx_words=True)
+            if per_expert <= 0.5:
+                return MoeConfig(1, 16, 256, 2, 1, gemv=True, mx_words=True)
+            return MoeConfig(1, 32, 256, 4, 1, gemv=True, mx_words=True)
         if fmt == FMT_FP8_BLK:
-            return MoeConfig(1, 32, 128, 4, 1, gemv=True)  # block_k must divide the scale block
+            if per_expert <= 0.5:
+                return MoeConfig(1, 16, 256, 4, 1, gemv=True)
+            return MoeConfig(1, 32, 128, 4, 1, gemv=True)
         return MoeConfig(1, 16, 256, 4, 1, gemv=True)
     block_k = 256 if fmt == FMT_MXFP4 else 128
     if per_expert <= 16:
@@ -207,12 +215,10 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         raise ValueError(f"the MXFP4 row-streaming kernels need block_k a multiple of 32, got {cfg.block_k}")
     if cfg.gemv and cfg.mx_words and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_m > 4:
         raise ValueError(f"the MXFP4 word-decode kernels take at most 4 pairs per program, got block_m {cfg.block_m}")
-    if cfg.gemv and cfg.wide_acc and (fmt != FMT_MXFP4 or fmt_d != FMT_MXFP4):
-        if cfg.block_m > 2:
-            raise ValueError(f"the wide-accumulator kernels take at most 2 pairs per program, got block_m {cfg.block_m}")
+    if cfg.gemv and cfg.prefetch:
         for f, b in ((fmt, sblock), (fmt_d, sdblock)):
             if f == FMT_FP8_BLK and b[0] % cfg.block_n:
-                raise ValueError(f"the wide-accumulator kernels need block_n {cfg.block_n} to divide the FP8 "
+                raise ValueError(f"the prefetching row kernels need block_n {cfg.block_n} to divide the FP8 "
                                  f"scale block {b}")
     num_pairs = t * k
     if cfg.gemv and cfg.block_m == 1:
@@ -240,8 +246,8 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
                         HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
     words_up = cfg.gemv and cfg.mx_words and fmt == FMT_MXFP4
     words_down = cfg.gemv and cfg.mx_words and fmt_d == FMT_MXFP4
-    wide_up = cfg.gemv and cfg.wide_acc and fmt != FMT_MXFP4
-    wide_down = cfg.gemv and cfg.wide_acc and fmt_d != FMT_MXFP4
+    stream_up = cfg.gemv and cfg.prefetch and fmt != FMT_MXFP4
+    stream_down = cfg.gemv and cfg.prefetch and fmt_d != FMT_MXFP4
     x_bf16 = x.dtype == torch.bfloat16
     if words_up:
         # int32 words of 8 codes, strides in 16-byte groups (rows are whole 32-value groups)
@@ -249,9 +255,10 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         words_args = (x, x.stride(0), wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4, *gate_up_args[6:])
         moe_gate_up_words_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             *words_args, SORTED=sorted_pairs, ACT=ACTIVATIONS[experts.activation], HAS_BIAS=has_bias,
-            X_BF16=x_bf16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
-    elif wide_up:
-        moe_gate_up_wide_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
+            X_BF16=x_bf16, PREFETCH=cfg.prefetch, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            **launch)
+    elif stream_up:
+        moe_gate_up_stream_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             *gate_up_args, SORTED=sorted_pairs, **gate_up_meta)
     elif cfg.gemv:
         moe_gate_up_gemv_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
@@ -272,10 +279,10 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         wd32 = wd.view(torch.int32)
         moe_down_words_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
             act, act.stride(0), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, *down_args[5:],
-            SORTED=sorted_pairs, HAS_BIAS=has_down_bias, X_BF16=x_bf16, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
-    elif wide_down:
-        moe_down_wide_kernel[(b_max, triton.cdiv(h, cfg.block_n))](*down_args, SORTED=sorted_pairs, **down_meta)
+            SORTED=sorted_pairs, HAS_BIAS=has_down_bias, X_BF16=x_bf16, PREFETCH=cfg.prefetch,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+    elif stream_down:
+        moe_down_stream_kernel[(b_max, triton.cdiv(h, cfg.block_n))](*down_args, SORTED=sorted_pairs, **down_meta)
     elif cfg.gemv:
         moe_down_gemv_kernel[(b_max, triton.cdiv(h, cfg.block_n))](*down_args, SORTED=sorted_pairs, **down_meta)
     else:

@@ -37,17 +37,12 @@ MULT_WORD_BIAS = tl.constexpr(26)
 
 
 @triton.jit
-def _mx_words_load(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                   BLOCK_K: tl.constexpr):
+def _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                  BLOCK_K: tl.constexpr):
     """One K chunk of BLOCK_N MXFP4 rows read through an int32 view of the codes, weight strides
     in 16-byte groups (one group = 4 words = 32 codes; word j holds codes 8j..8j+7, code i in
-    bits 4i..4i+3). -> t0..t3 uint32 [BLOCK_N, G, 4], mult float32 [BLOCK_N, G].
-
-    t_i holds code i of each word as a bf16 bit pattern in its low half and code i + 4 in its
-    high half: the E2M1 bits e1 e0 m land on bf16 bits 8..6 (the two low exponent bits and the
-    top mantissa bit), the sign on bit 15, so each half reads as the E2M1 value * 2^-126.
-    mult = 2^(scale - 127) * 2^26 built from its exponent field: valid for E8M0 scales 0..228
-    (gpt-oss checkpoints use scales near 127)."""
+    bits 4i..4i+3). -> (words int32 [BLOCK_N, G, 4], E8M0 scales uint8 [BLOCK_N, G]); a chunk
+    past K loads nothing (all masked)."""
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     g = k0 // 32 + tl.arange(0, BLOCK_G)
     g_mask = g < K // 32
@@ -56,13 +51,25 @@ def _mx_words_load(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stri
     row_groups = e.to(tl.int64) * stride_we + n.to(tl.int64) * stride_wn
     offs = (row_groups[:, None, None] + g[None, :, None]) * 4 + tl.arange(0, 4)[None, None, :]
     w = tl.load(w_ptr + offs, mask=n_mask[:, None, None] & g_mask[None, :, None], other=0)
+    s_base = s_ptr + e.to(tl.int64) * stride_se + n * stride_sn
+    scale = tl.load(s_base[:, None] + g[None, :] * stride_sk, mask=n_mask[:, None] & g_mask[None, :], other=0)
+    return w, scale
+
+
+@triton.jit
+def _mx_words_decode(w, scale):
+    """-> t0..t3 uint32 [BLOCK_N, G, 4], mult float32 [BLOCK_N, G].
+
+    t_i holds code i of each word as a bf16 bit pattern in its low half and code i + 4 in its
+    high half: the E2M1 bits e1 e0 m land on bf16 bits 8..6 (the two low exponent bits and the
+    top mantissa bit), the sign on bit 15, so each half reads as the E2M1 value * 2^-126.
+    mult = 2^(scale - 127) * 2^26 built from its exponent field: valid for E8M0 scales 0..228
+    (gpt-oss checkpoints use scales near 127)."""
     w = w.to(tl.uint32, bitcast=True)
     t0 = ((w & 0x00070007) << 6) | ((w & 0x00080008) << 12)
     t1 = ((w & 0x00700070) << 2) | ((w & 0x00800080) << 8)
     t2 = ((w & 0x07000700) >> 2) | ((w & 0x08000800) << 4)
     t3 = ((w & 0x70007000) >> 6) | (w & 0x80008000)
-    s_base = s_ptr + e.to(tl.int64) * stride_se + n * stride_sn
-    scale = tl.load(s_base[:, None] + g[None, :] * stride_sk, mask=n_mask[:, None] & g_mask[None, :], other=0)
     mult = ((scale.to(tl.int32) + MULT_WORD_BIAS) << 23).to(tl.float32, bitcast=True)
     return t0, t1, t2, t3, mult
 
@@ -345,11 +352,12 @@ def moe_gate_up_words_kernel(
         out_ptr, stride_ot,
         pair_ptr, expert_ptr, num_pairs, N, K, top_k, alpha, limit,
         SORTED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """moe_gate_up_gemv_kernel for MXFP4 by word decode: wg/wu are int32 views with strides in
     16-byte groups. Each chunk is decoded once for the block's pairs (BLOCK_M <= 4), gate and up
     share one activation load per pair, and the per-group partial sums are kept per row and
-    group (one cross-thread reduction at the end instead of one per chunk)."""
+    group (one cross-thread reduction at the end instead of one per chunk). PREFETCH: the next
+    chunk's weights are requested before this chunk is decoded (register double buffering)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, pairs, valid = _block_pairs(pair_ptr, expert_ptr, pid_m, num_pairs, SORTED, BLOCK_M)
@@ -363,30 +371,52 @@ def moe_gate_up_words_kernel(
     # activation rows of the slots, out of the K loop (padding slots point at row 0, unused)
     tok = tl.where(valid, pairs // top_k, 0).to(tl.int64)
     cols = tl.arange(0, BLOCK_M)
+    if PREFETCH:
+        nwg, nsg = _mx_words_raw(wg_ptr, sg_ptr, e, n, n_mask, 0, K, stride_we, stride_wn, stride_se, stride_sn,
+                                 stride_sk, BLOCK_K)
+        nwu, nsu = _mx_words_raw(wu_ptr, su_ptr, e, n, n_mask, 0, K, stride_we, stride_wn, stride_se, stride_sn,
+                                 stride_sk, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        tg0, tg1, tg2, tg3, mg = _mx_words_load(wg_ptr, sg_ptr, e, n, n_mask, k0, K, stride_we, stride_wn,
-                                                stride_se, stride_sn, stride_sk, BLOCK_K)
-        tu0, tu1, tu2, tu3, mu = _mx_words_load(wu_ptr, su_ptr, e, n, n_mask, k0, K, stride_we, stride_wn,
-                                                stride_se, stride_sn, stride_sk, BLOCK_K)
+        if PREFETCH:
+            cwg, csg, cwu, csu = nwg, nsg, nwu, nsu
+            nwg, nsg = _mx_words_raw(wg_ptr, sg_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_we, stride_wn,
+                                     stride_se, stride_sn, stride_sk, BLOCK_K)
+            nwu, nsu = _mx_words_raw(wu_ptr, su_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_we, stride_wn,
+                                     stride_se, stride_sn, stride_sk, BLOCK_K)
+        else:
+            cwg, csg = _mx_words_raw(wg_ptr, sg_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se,
+                                     stride_sn, stride_sk, BLOCK_K)
+            cwu, csu = _mx_words_raw(wu_ptr, su_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se,
+                                     stride_sn, stride_sk, BLOCK_K)
+        tg0, tg1, tg2, tg3, mg = _mx_words_decode(cwg, csg)
+        tu0, tu1, tu2, tu3, mu = _mx_words_decode(cwu, csu)
         for m in tl.static_range(BLOCK_M):
-            pair = _pair_at(pair_ptr, pid_m, m, SORTED, BLOCK_M)
-            if pair < num_pairs:  # padding slots of a sorted block skip their FMAs
-                row = tl.sum(tl.where(cols == m, tok, 0))
-                x0, x1, x2, x3, x4, x5, x6, x7 = _mx_words_x(x_ptr + row * stride_xt, k0, K, X_BF16, BLOCK_K)
-                pg = _mx_words_dot(tg0, tg1, tg2, tg3, mg, x0, x1, x2, x3, x4, x5, x6, x7)
-                pu = _mx_words_dot(tu0, tu1, tu2, tu3, mu, x0, x1, x2, x3, x4, x5, x6, x7)
-                if m == 0:
-                    g0 += pg
-                    u0 += pu
-                elif m == 1:
-                    g1 += pg
-                    u1 += pu
-                elif m == 2:
-                    g2 += pg
-                    u2 += pu
-                else:
-                    g3 += pg
-                    u3 += pu
+            if SORTED:
+                pair = tl.load(pair_ptr + pid_m * BLOCK_M + m)
+                if pair < num_pairs:  # padding slots of a sorted block skip their FMAs
+                    row = tl.sum(tl.where(cols == m, tok, 0))
+                    x0, x1, x2, x3, x4, x5, x6, x7 = _mx_words_x(x_ptr + row * stride_xt, k0, K, X_BF16, BLOCK_K)
+                    pg = _mx_words_dot(tg0, tg1, tg2, tg3, mg, x0, x1, x2, x3, x4, x5, x6, x7)
+                    pu = _mx_words_dot(tu0, tu1, tu2, tu3, mu, x0, x1, x2, x3, x4, x5, x6, x7)
+                    if m == 0:
+                        g0 += pg
+                        u0 += pu
+                    elif m == 1:
+                        g1 += pg
+                        u1 += pu
+                    elif m == 2:
+                        g2 += pg
+                        u2 += pu
+                    else:
+                        g3 += pg
+                        u3 += pu
+            else:
+                # one pair per program, always valid: no branch, so the activation loads can be
+                # issued together with the weight loads
+                x0, x1, x2, x3, x4, x5, x6, x7 = _mx_words_x(x_ptr + tl.sum(tok) * stride_xt, k0, K, X_BF16,
+                                                             BLOCK_K)
+                g0 += _mx_words_dot(tg0, tg1, tg2, tg3, mg, x0, x1, x2, x3, x4, x5, x6, x7)
+                u0 += _mx_words_dot(tu0, tu1, tu2, tu3, mu, x0, x1, x2, x3, x4, x5, x6, x7)
     acc_g = _slot_sums(g0, g1, g2, g3, BLOCK_M)
     acc_u = _slot_sums(u0, u1, u2, u3, BLOCK_M)
     _glu_store(acc_g, acc_u, bg_ptr, bu_ptr, stride_be, stride_bn, out_ptr, stride_ot, e, n, n_mask, pairs, valid,
@@ -401,7 +431,7 @@ def moe_down_words_kernel(
         b_ptr, stride_be,
         pair_weights_ptr, out_ptr, stride_ot,
         pair_ptr, expert_ptr, num_pairs, N, K,
-        SORTED: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
+        SORTED: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """moe_down_gemv_kernel for MXFP4 by word decode (as moe_gate_up_words_kernel)."""
     pid_m = tl.program_id(0)
@@ -415,23 +445,38 @@ def moe_down_words_kernel(
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     a0 = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     a1, a2, a3 = a0, a0, a0
+    cols = tl.arange(0, BLOCK_M)
+    if PREFETCH:
+        nw, ns = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, 0, K, stride_we, stride_wn, stride_se, stride_sn,
+                               stride_sk, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        t0, t1, t2, t3, mult = _mx_words_load(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn,
-                                              stride_se, stride_sn, stride_sk, BLOCK_K)
+        if PREFETCH:
+            cw, cs = nw, ns
+            nw, ns = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_we, stride_wn, stride_se,
+                                   stride_sn, stride_sk, BLOCK_K)
+        else:
+            cw, cs = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se, stride_sn,
+                                   stride_sk, BLOCK_K)
+        t0, t1, t2, t3, mult = _mx_words_decode(cw, cs)
         for m in tl.static_range(BLOCK_M):
-            pair = _pair_at(pair_ptr, pid_m, m, SORTED, BLOCK_M)
-            if pair < num_pairs:
-                x0, x1, x2, x3, x4, x5, x6, x7 = _mx_words_x(a_ptr + pair.to(tl.int64) * stride_at, k0, K, X_BF16,
+            if SORTED:
+                pair = tl.load(pair_ptr + pid_m * BLOCK_M + m)
+                if pair < num_pairs:
+                    row = tl.sum(tl.where(cols == m, rows, 0))
+                    x0, x1, x2, x3, x4, x5, x6, x7 = _mx_words_x(a_ptr + row * stride_at, k0, K, X_BF16, BLOCK_K)
+                    part = _mx_words_dot(t0, t1, t2, t3, mult, x0, x1, x2, x3, x4, x5, x6, x7)
+                    if m == 0:
+                        a0 += part
+                    elif m == 1:
+                        a1 += part
+                    elif m == 2:
+                        a2 += part
+                    else:
+                        a3 += part
+            else:
+                x0, x1, x2, x3, x4, x5, x6, x7 = _mx_words_x(a_ptr + tl.sum(rows) * stride_at, k0, K, X_BF16,
                                                              BLOCK_K)
-                part = _mx_words_dot(t0, t1, t2, t3, mult, x0, x1, x2, x3, x4, x5, x6, x7)
-                if m == 0:
-                    a0 += part
-                elif m == 1:
-                    a1 += part
-                elif m == 2:
-                    a2 += part
-                else:
-                    a3 += part
+                a0 += _mx_words_dot(t0, t1, t2, t3, mult, x0, x1, x2, x3, x4, x5, x6, x7)
     acc = _slot_sums(a0, a1, a2, a3, BLOCK_M)
     if HAS_BIAS:
         acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -441,8 +486,8 @@ def moe_down_words_kernel(
 
 
 @triton.jit
-def _wide_x(x_row, k0, K, s_ptr, e, nb, stride_se, stride_sn, stride_sk,
-            FORMAT: tl.constexpr, SBK: tl.constexpr, BLOCK_K: tl.constexpr):
+def _stream_x(x_row, k0, K, s_ptr, e, nb, stride_se, stride_sn, stride_sk,
+              FORMAT: tl.constexpr, SBK: tl.constexpr, BLOCK_K: tl.constexpr):
     """One K chunk of an activation row in float32; block-scaled FP8 folds the weight scales of
     the program's row block into it (one multiply per activation instead of per weight)."""
     kk = k0 + tl.arange(0, BLOCK_K)
@@ -456,14 +501,34 @@ def _wide_x(x_row, k0, K, s_ptr, e, nb, stride_se, stride_sn, stride_sk,
 
 
 @triton.jit
-def _wide_w(w_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K: tl.constexpr):
+def _stream_w(w_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K: tl.constexpr):
+    """One K chunk of BLOCK_N weight rows as stored (a chunk past K loads nothing)."""
     kk = k0 + tl.arange(0, BLOCK_K)
     w_base = w_ptr + e.to(tl.int64) * stride_we + n.to(tl.int64) * stride_wn
-    return tl.load(w_base[:, None] + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
+    return tl.load(w_base[:, None] + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0)
 
 
 @triton.jit
-def moe_gate_up_wide_kernel(
+def _carried(w, FORMAT: tl.constexpr):
+    """A prefetched chunk as carried across the loop: FP8 as float16 (exact for e4m3; carried as
+    loaded, 8-bit values cost a byte permute each per iteration), dense weights as loaded."""
+    if FORMAT == 0:
+        return w
+    else:
+        return w.to(tl.float16)
+
+
+@triton.jit
+def _slot_add(acc, part, m: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc[:, m] += part for a [BLOCK_N, BLOCK_M] accumulator."""
+    if BLOCK_M == 1:
+        return acc + part[:, None]
+    else:
+        return tl.where(tl.arange(0, BLOCK_M)[None, :] == m, acc + part[:, None], acc)
+
+
+@triton.jit
+def moe_gate_up_stream_kernel(
         x_ptr, stride_xt,
         wg_ptr, wu_ptr, stride_we, stride_wn,
         sg_ptr, su_ptr, stride_se, stride_sn, stride_sk,
@@ -473,10 +538,12 @@ def moe_gate_up_wide_kernel(
         FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SORTED: tl.constexpr,
         ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """moe_gate_up_gemv_kernel for dense and FP8 weights with elementwise accumulators: each
-    weight costs one conversion and one FMA per pair, and the rows are reduced once at the end
-    rather than once per K chunk. BLOCK_M <= 2. Block-scaled FP8: BLOCK_N divides SBN (the
-    program's rows share one scale row) and BLOCK_K divides SBK or is a multiple of it."""
+    """moe_gate_up_gemv_kernel for dense and FP8 weights with the next chunk's weights requested
+    before the current chunk is used (register double buffering: a program keeps one chunk in
+    flight while it computes), one activation load per pair shared by gate and up, and no
+    branch on the pair in the one-pair-per-program case. Block-scaled FP8: BLOCK_N divides SBN
+    (the program's rows share one scale row, folded into the activations) and BLOCK_K divides
+    SBK or is a multiple of it."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, pairs, valid = _block_pairs(pair_ptr, expert_ptr, pid_m, num_pairs, SORTED, BLOCK_M)
@@ -485,28 +552,43 @@ def moe_gate_up_wide_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     nb = (pid_n * BLOCK_N) // SBN
-    g0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    g1, u0, u1 = g0, g0, g0
+    tok = tl.where(valid, pairs // top_k, 0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_M)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # the chunk in flight is converted for carrying at the end of the iteration, after the chunk
+    # in hand is used
+    nwg = _carried(_stream_w(wg_ptr, e, n, n_mask, 0, K, stride_we, stride_wn, BLOCK_K), FORMAT)
+    nwu = _carried(_stream_w(wu_ptr, e, n, n_mask, 0, K, stride_we, stride_wn, BLOCK_K), FORMAT)
     for k0 in range(0, K, BLOCK_K):
-        wg = _wide_w(wg_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K)
-        wu = _wide_w(wu_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K)
+        wg = nwg.to(tl.float32)
+        wu = nwu.to(tl.float32)
+        rwg = _stream_w(wg_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_we, stride_wn, BLOCK_K)
+        rwu = _stream_w(wu_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_we, stride_wn, BLOCK_K)
         for m in tl.static_range(BLOCK_M):
-            pair = _pair_at(pair_ptr, pid_m, m, SORTED, BLOCK_M)
-            if pair < num_pairs:
-                x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
-                xg = _wide_x(x_row, k0, K, sg_ptr, e, nb, stride_se, stride_sn, stride_sk, FORMAT, SBK, BLOCK_K)
-                if FORMAT == 2:
-                    xu = _wide_x(x_row, k0, K, su_ptr, e, nb, stride_se, stride_sn, stride_sk, FORMAT, SBK, BLOCK_K)
-                else:
+            row = tl.sum(tl.where(cols == m, tok, 0))
+            if SORTED:
+                pair = tl.load(pair_ptr + pid_m * BLOCK_M + m)
+                if pair < num_pairs:  # padding slots of a sorted block skip their FMAs
+                    xg = _stream_x(x_ptr + row * stride_xt, k0, K, sg_ptr, e, nb, stride_se, stride_sn, stride_sk,
+                                   FORMAT, SBK, BLOCK_K)
                     xu = xg
-                if m == 0:
-                    g0 += wg * xg[None, :]
-                    u0 += wu * xu[None, :]
-                else:
-                    g1 += wg * xg[None, :]
-                    u1 += wu * xu[None, :]
-    acc_g = _slot_sums(g0, g1, g0, g0, BLOCK_M)
-    acc_u = _slot_sums(u0, u1, u0, u0, BLOCK_M)
+                    if FORMAT == 2:
+                        xu = _stream_x(x_ptr + row * stride_xt, k0, K, su_ptr, e, nb, stride_se, stride_sn,
+                                       stride_sk, FORMAT, SBK, BLOCK_K)
+                    acc_g = _slot_add(acc_g, tl.sum(wg * xg[None, :], axis=1), m, BLOCK_M)
+                    acc_u = _slot_add(acc_u, tl.sum(wu * xu[None, :], axis=1), m, BLOCK_M)
+            else:
+                xg = _stream_x(x_ptr + row * stride_xt, k0, K, sg_ptr, e, nb, stride_se, stride_sn, stride_sk,
+                               FORMAT, SBK, BLOCK_K)
+                xu = xg
+                if FORMAT == 2:
+                    xu = _stream_x(x_ptr + row * stride_xt, k0, K, su_ptr, e, nb, stride_se, stride_sn, stride_sk,
+                                   FORMAT, SBK, BLOCK_K)
+                acc_g = _slot_add(acc_g, tl.sum(wg * xg[None, :], axis=1), m, BLOCK_M)
+                acc_u = _slot_add(acc_u, tl.sum(wu * xu[None, :], axis=1), m, BLOCK_M)
+        nwg = _carried(rwg, FORMAT)
+        nwu = _carried(rwu, FORMAT)
     acc_g = _row_scale(acc_g, sg_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
     acc_u = _row_scale(acc_u, su_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
     _glu_store(acc_g, acc_u, bg_ptr, bu_ptr, stride_be, stride_bn, out_ptr, stride_ot, e, n, n_mask, pairs, valid,
@@ -514,7 +596,7 @@ def moe_gate_up_wide_kernel(
 
 
 @triton.jit
-def moe_down_wide_kernel(
+def moe_down_stream_kernel(
         a_ptr, stride_at,
         w_ptr, stride_we, stride_wn,
         s_ptr, stride_se, stride_sn, stride_sk,
@@ -523,7 +605,7 @@ def moe_down_wide_kernel(
         pair_ptr, expert_ptr, num_pairs, N, K,
         FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SORTED: tl.constexpr,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """moe_down_gemv_kernel with elementwise accumulators (as moe_gate_up_wide_kernel)."""
+    """moe_down_gemv_kernel with the next chunk prefetched (as moe_gate_up_stream_kernel)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, pairs, valid = _block_pairs(pair_ptr, expert_ptr, pid_m, num_pairs, SORTED, BLOCK_M)
@@ -533,20 +615,25 @@ def moe_down_wide_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     nb = (pid_n * BLOCK_N) // SBN
-    a0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    a1 = a0
+    cols = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    nw = _carried(_stream_w(w_ptr, e, n, n_mask, 0, K, stride_we, stride_wn, BLOCK_K), FORMAT)
     for k0 in range(0, K, BLOCK_K):
-        w = _wide_w(w_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K)
+        w = nw.to(tl.float32)
+        rw = _stream_w(w_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_we, stride_wn, BLOCK_K)
         for m in tl.static_range(BLOCK_M):
-            pair = _pair_at(pair_ptr, pid_m, m, SORTED, BLOCK_M)
-            if pair < num_pairs:
-                xv = _wide_x(a_ptr + pair.to(tl.int64) * stride_at, k0, K, s_ptr, e, nb, stride_se, stride_sn,
-                             stride_sk, FORMAT, SBK, BLOCK_K)
-                if m == 0:
-                    a0 += w * xv[None, :]
-                else:
-                    a1 += w * xv[None, :]
-    acc = _slot_sums(a0, a1, a0, a0, BLOCK_M)
+            row = tl.sum(tl.where(cols == m, rows, 0))
+            if SORTED:
+                pair = tl.load(pair_ptr + pid_m * BLOCK_M + m)
+                if pair < num_pairs:
+                    xv = _stream_x(a_ptr + row * stride_at, k0, K, s_ptr, e, nb, stride_se, stride_sn, stride_sk,
+                                   FORMAT, SBK, BLOCK_K)
+                    acc = _slot_add(acc, tl.sum(w * xv[None, :], axis=1), m, BLOCK_M)
+            else:
+                xv = _stream_x(a_ptr + row * stride_at, k0, K, s_ptr, e, nb, stride_se, stride_sn, stride_sk,
+                               FORMAT, SBK, BLOCK_K)
+                acc = _slot_add(acc, tl.sum(w * xv[None, :], axis=1), m, BLOCK_M)
+        nw = _carried(rw, FORMAT)
     acc = _row_scale(acc, s_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]

@@ -72,9 +72,11 @@ def _gpt_oss_case(e, h, i, scale_lo=118, scale_hi=123, codes=None):
                            Mxfp4Weight(dblocks, dscales), torch.randn(e, h, device=DEV))
 
 
-@pytest.mark.parametrize("block_m,dtype,scales", [(1, torch.float16, (96, 131)), (2, torch.bfloat16, (60, 229)),
-                                                  (4, torch.float16, (96, 131))])
-def test_gpt_oss_mxfp4_words(block_m, dtype, scales):
+@pytest.mark.parametrize("block_m,dtype,scales,prefetch", [(1, torch.float16, (96, 131), True),
+                                                           (1, torch.bfloat16, (60, 229), False),
+                                                           (2, torch.bfloat16, (60, 229), True),
+                                                           (4, torch.float16, (96, 131), False)])
+def test_gpt_oss_mxfp4_words(block_m, dtype, scales, prefetch):
     # H=96: three 32-value groups, so the second 64-wide chunk is half masked; I=160 five groups;
     # 6 experts for 4 pairs: some experts get none. The scales reach far from 127 (bf16 up to
     # 228, the multiplier's limit; fp16 as far as its range allows); bf16 activations take the
@@ -83,7 +85,7 @@ def test_gpt_oss_mxfp4_words(block_m, dtype, scales):
     experts = _gpt_oss_case(e, h, i, scale_lo=scales[0], scale_hi=scales[1])
     x = torch.randn(t, h, device=DEV, dtype=dtype)
     w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
-    cfg = MoeConfig(block_m, 32, 64, 1, 1, gemv=True, mx_words=True)
+    cfg = MoeConfig(block_m, 32, 64, 1, 1, gemv=True, mx_words=True, prefetch=prefetch)
     out = fused_moe(x, experts, w, ids, config=cfg)
     assert out.shape == (t, h) and out.dtype == dtype
     assert rel_err(out, fused_moe_ref(x, experts, w, ids)) < TOL[dtype]
@@ -98,7 +100,7 @@ def test_mxfp4_words_keep_half_codes(dtype):
     experts = MoeExperts(experts.gate, experts.up, experts.down, None, None, None, "swiglu_clamped")
     x = torch.randn(t, h, device=DEV, dtype=dtype) * 4
     w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
-    cfg = MoeConfig(1, 16, 64, 1, 1, gemv=True, mx_words=True)
+    cfg = MoeConfig(1, 16, 64, 1, 1, gemv=True, mx_words=True, prefetch=True)
     ref = fused_moe_ref(x, experts, w, ids)
     assert ref.abs().max() > 0
     assert rel_err(fused_moe(x, experts, w, ids, config=cfg), ref) < TOL[dtype]
@@ -108,9 +110,9 @@ def test_mxfp4_words_keep_half_codes(dtype):
     ("dense", torch.float32, 1, 32),
     ("fp8_channel", torch.float16, 2, 32),
     ("fp8_block", torch.float32, 1, 64),  # two 32-wide scale blocks per K step
-    ("fp8_block", torch.float16, 2, 16),  # two K steps per scale block
+    ("fp8_block", torch.float16, 4, 16),  # two K steps per scale block
 ])
-def test_glm_experts_wide_acc(fmt, dtype, block_m, block_k):
+def test_glm_experts_prefetch(fmt, dtype, block_m, block_k):
     e, k, h, i, t = 4, 2, 80, 48, 3  # partial K chunk, partial scale blocks, an expert without pairs
     gate, up, down = (torch.randn(e, *s, device=DEV) / s[1] ** 0.5 for s in ((i, h), (i, h), (h, i)))
     if fmt == "dense":
@@ -122,7 +124,7 @@ def test_glm_experts_wide_acc(fmt, dtype, block_m, block_k):
     experts = MoeExperts(*weights)
     x = torch.randn(t, h, device=DEV, dtype=dtype)
     w, ids = random_routing(t, e, k)
-    cfg = MoeConfig(block_m, 16, block_k, 1, 1, gemv=True, wide_acc=True)
+    cfg = MoeConfig(block_m, 16, block_k, 1, 1, gemv=True, prefetch=True)
     out = fused_moe(x, experts, w, ids, config=cfg)
     assert rel_err(out, fused_moe_ref(x, experts, w, ids)) < TOL[dtype]
 
@@ -148,7 +150,7 @@ def test_new_row_kernels_reject_bad_tiles():
     glm = MoeExperts(*[Fp8Weight(*quantize_fp8_blocks(torch.randn(2, *s, device=DEV), 16, 32), block=(16, 32))
                        for s in ((32, 64), (32, 64), (64, 32))])
     with pytest.raises(ValueError, match="divide the FP8 scale block"):
-        fused_moe(x, glm, w, ids, config=MoeConfig(1, 32, 32, 1, 1, gemv=True, wide_acc=True))
+        fused_moe(x, glm, w, ids, config=MoeConfig(1, 32, 32, 1, 1, gemv=True, prefetch=True))
     with pytest.raises(ValueError, match="must divide the FP8 scale block"):
         fused_moe(x, glm, w, ids, config=MoeConfig(1, 16, 48, 1, 1, gemv=True))
 
@@ -157,8 +159,9 @@ def test_new_row_kernels_reject_bad_tiles():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,cfg", [
-    (1, MoeConfig(1, 32, 512, 4, 1, gemv=True, mx_words=True)),
-    (32, MoeConfig(4, 16, 512, 4, 1, gemv=True, mx_words=True)),
+    (1, MoeConfig(1, 8, 256, 1, 1, gemv=True, mx_words=True, prefetch=True)),
+    (1, MoeConfig(1, 16, 512, 4, 1, gemv=True, mx_words=True)),
+    (32, MoeConfig(4, 16, 256, 4, 1, gemv=True, mx_words=True, prefetch=True)),
 ])
 def test_gpt_oss_words_gpu(t, cfg):
     e, k, h, i = 128, 4, 2880, 2880
@@ -175,12 +178,12 @@ def test_gpt_oss_words_gpu(t, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,t,cfg", [
-    ("fp8_channel", 1, MoeConfig(1, 16, 256, 4, 1, gemv=True, wide_acc=True)),
-    ("fp8_block", 1, MoeConfig(1, 16, 256, 4, 1, gemv=True, wide_acc=True)),
-    ("fp8_block", 32, MoeConfig(2, 16, 256, 4, 1, gemv=True, wide_acc=True)),
+    ("fp8_channel", 1, MoeConfig(1, 16, 256, 4, 1, gemv=True, prefetch=True)),
+    ("fp8_block", 1, MoeConfig(1, 16, 256, 4, 1, gemv=True, prefetch=True)),
+    ("fp8_block", 32, MoeConfig(2, 16, 256, 4, 1, gemv=True, prefetch=True)),
     ("fp8_block", 1, MoeConfig(1, 16, 256, 4, 1, gemv=True)),
 ])
-def test_glm_wide_gpu(fmt, t, cfg):
+def test_glm_prefetch_gpu(fmt, t, cfg):
     e, k, h, i = 128, 8, 4096, 1408
     ws = [torch.randn(e, *s, device="cuda") / s[1] ** 0.5 for s in ((i, h), (i, h), (h, i))]
     if fmt == "fp8_channel":
