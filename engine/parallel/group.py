@@ -19,6 +19,7 @@ import multiprocessing.connection
 import os
 import pickle
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -177,17 +178,18 @@ class WorkerGroup:
         kind = "tensor + expert parallel" if self.expert_parallel else "tensor parallel"
         return f"{', '.join(str(d) for d in self.devices)} ({kind}, {self.world_size} ranks)"
 
-    def step_runner(self, model, cache, device: torch.device, dtype: torch.dtype):
-        """Allocates every worker's KV cache like rank 0's `cache`; returns rank 0's runner."""
+    def step_runner(self, model, cache, device: torch.device, dtype: torch.dtype, graphs=None):
+        """Allocates every worker's KV cache like rank 0's `cache` (and decode graphs like
+        `graphs`, a DecodeGraphs or None); returns rank 0's runner."""
         from .runner import ParallelStepRunner
 
         try:
-            self._broadcast("cache", cache.num_blocks, cache.block_size)
+            self._broadcast("cache", cache.num_blocks, cache.block_size, None if graphs is None else graphs.shape)
             self._replies(DONE)
         except BaseException:
             self.close()
             raise
-        return ParallelStepRunner(model, cache, device, dtype, self)
+        return ParallelStepRunner(model, cache, device, dtype, self, graphs)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the workers (killing those that do not stop) and leaves the process group."""
@@ -227,6 +229,17 @@ class WorkerGroup:
             payload = pickle.dumps(("step", inputs, 0 if features is None else features.shape[0]))
         finally:
             inputs.features = features
+        self._send_all(payload)
+
+    def send_decode(self, inputs) -> None:
+        """Hands a decode step (DecodeInputs) to every worker: each replays its own graph."""
+        self._send_all(pickle.dumps(("decode", inputs)))
+
+    def send_capture(self) -> None:
+        """Every worker captures all its decode graphs, in the order rank 0 does."""
+        self._send_all(pickle.dumps(("capture",)))
+
+    def _send_all(self, payload: bytes) -> None:
         for rank, conn in enumerate(self.conns, start=1):
             try:
                 conn.send_bytes(payload)
@@ -304,6 +317,11 @@ class WorkerGroup:
                 rank = alive.pop(sentinel)
                 proc, conn, lock = self.procs[rank - 1], self.conns[rank - 1], self.locks[rank - 1]
                 proc.join(1.0)
+                # Another thread joining the same process may reap it first; its exit code then
+                # appears on the shared record a moment later.
+                deadline = time.monotonic() + 2.0
+                while proc.exitcode is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 error = None
                 with lock:
                     try:

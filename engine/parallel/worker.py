@@ -1,7 +1,8 @@
 """The process of one tensor-parallel rank other than 0.
 
 It joins the process group, then serves rank 0's messages in order: load its slices, allocate
-its KV cache, and run every step's forward on the inputs rank 0 sends. Rank 0 samples; here the
+its KV cache (and decode graphs), and run every step's forward on the inputs rank 0 sends, or
+replay its own graph of a decode step, whose collectives meet rank 0's. Rank 0 samples; here the
 logits are only computed for the collectives they take part in. Any exception is sent to rank 0
 as text and ends the process; so does rank 0's process going away (its pipe closes, or, while
 this rank waits inside a collective, the watchdog sees the parent exit).
@@ -73,6 +74,7 @@ def worker_main(rank: int, world_size: int, port: int, device: str, conn, timeou
 def _serve(conn, rank: int, world_size: int, device: torch.device) -> None:
     import torch.distributed as dist
 
+    from ..runtime.decode_graphs import DecodeGraphs
     from ..runtime.kv_cache import PagedKVCache
     from ..runtime.step_runner import StepRunner
     from .context import ParallelContext
@@ -95,10 +97,15 @@ def _serve(conn, rank: int, world_size: int, device: torch.device) -> None:
             ctx = ParallelContext(rank, world_size, expert_parallel, dist.group.WORLD)
             model, report = load_rank(path, spec, ctx, device, dtype)
             send(conn, LOADED, report)
+        elif kind == "decode":
+            runner.graphs.run(*message[1])
+        elif kind == "capture":
+            runner.capture_graphs()
         elif kind == "cache":
-            num_blocks, block_size = message[1:]
+            num_blocks, block_size, graph_shape = message[1:]
             cache = PagedKVCache(spec.num_layers, num_blocks, block_size, model.kv_heads, spec.head_dim, dtype, device)
-            runner = StepRunner(model, cache, device, dtype)
+            graphs = None if graph_shape is None else DecodeGraphs(model, cache, dtype, device, **graph_shape)
+            runner = StepRunner(model, cache, device, dtype, graphs)
             send(conn, DONE)
         elif kind == "stop":
             return

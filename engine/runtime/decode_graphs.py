@@ -17,12 +17,25 @@ from __future__ import annotations
 
 import bisect
 import time
+from typing import NamedTuple
 
 import torch
 
 from .forward_batch import ForwardBatch
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
+
+
+class DecodeInputs(NamedTuple):
+    """One decode step of B sequences (host values): token_ids [B]; positions [B] or [3, B];
+    slots [B] cache slots of the new tokens; lens [B] context lengths including them; tables:
+    each sequence's block ids."""
+
+    token_ids: list[int]
+    positions: torch.Tensor
+    slots: list[int]
+    lens: list[int]
+    tables: list[list[int]]
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -55,6 +68,8 @@ class DecodeGraphs:
         self.pool = None
         self.capture_seconds = 0.0
         self.replays = 0
+        # What another process needs to build the same graphs over its own model and cache.
+        self.shape = dict(max_batch=max_batch, max_blocks=max_blocks, scratch_block=scratch_block, mrope=mrope)
 
     def bucket(self, batch: int) -> int | None:
         """The smallest captured size holding `batch` rows, or None when it is too large."""

@@ -120,21 +120,20 @@ class Engine:
                             max_batch_tokens=self.max_batch_tokens, max_running=max_running,
                             num_blocks=num_blocks, max_kv_tokens=max_kv_tokens, headroom_bytes=kv_headroom_bytes,
                             kv_heads=kv_heads, mem_info=self.workers.mem_info if self.workers else None)
-        # Graph capture of the tensor-parallel step (collectives inside) is not done yet: it runs eagerly.
-        use_graphs = self.workers is None and (cuda_graphs if cuda_graphs is not None else device.type == "cuda")
+        use_graphs = cuda_graphs if cuda_graphs is not None else device.type == "cuda"
         # With graphs, one block beyond the pool: the scratch block that padded rows write to.
         self.cache = PagedKVCache(spec.num_layers, n + int(use_graphs), block_size, kv_heads, spec.head_dim, dtype,
                                   device)
         self.pool = BlockPool(n)
         self.scheduler = Scheduler(self.pool, block_size, self.max_batch_tokens, max_running)
-        if self.workers is not None:
-            self.runner = self.workers.step_runner(model, self.cache, device, dtype)
+        graphs = None
+        if use_graphs:
+            graphs = DecodeGraphs(model, self.cache, dtype, device, max_batch=max_running,
+                                  max_blocks=-(-self.context_limit // block_size), scratch_block=n,
+                                  mrope=spec.family == "glm4v_moe")
+        if self.workers is not None:  # every rank replays its own graphs; the collectives are inside
+            self.runner = self.workers.step_runner(model, self.cache, device, dtype, graphs)
         else:
-            graphs = None
-            if use_graphs:
-                graphs = DecodeGraphs(model, self.cache, dtype, device, max_batch=max_running,
-                                      max_blocks=-(-self.context_limit // block_size), scratch_block=n,
-                                      mrope=spec.family == "glm4v_moe")
             self.runner = StepRunner(model, self.cache, device, dtype, graphs)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", n, block_size,
                  self.cache.k.numel() * self.cache.k.element_size() * 2 / 2**30)
@@ -188,14 +187,13 @@ class Engine:
     def warmup(self) -> float:
         """Captures the decode graph of every batch-size bucket now (a server does this before its
         first request, so no chat waits for a capture). Returns the seconds it took."""
-        graphs = self.runner.graphs
         if not self.uses_cuda_graphs:
             return 0.0
         done, failure = threading.Event(), []
 
         def capture() -> None:  # runs on the engine thread, which owns the GPU work
             try:
-                graphs.capture_all()
+                self.runner.capture_graphs()
             except Exception as e:
                 failure.append(e)
             finally:
@@ -206,7 +204,7 @@ class Engine:
         if failure:
             raise RuntimeError(f"capturing the decode graphs failed ({failure[0]}); start with CUDA graphs "
                                "off to run decode steps eagerly") from failure[0]
-        return graphs.capture_seconds
+        return self.runner.graphs.capture_seconds
 
     def counters(self) -> dict[str, int]:
         """Running totals for tests and benchmarks."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .decode_graphs import DecodeGraphs
+from .decode_graphs import DecodeGraphs, DecodeInputs
 from .forward_batch import ForwardBatch
 from .kv_cache import PagedKVCache
 from .sequence import Sequence
@@ -84,20 +84,33 @@ class StepRunner:
                 return False
         return True
 
-    def _run_graph(self, plan: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+    def graph_inputs(self, plan: list[tuple[Sequence, int]]) -> DecodeInputs:
+        """A decode-only plan as the inputs of DecodeGraphs.run (picklable, for the other ranks)."""
         bs = self.cache.block_size
         seqs = [seq for seq, _ in plan]
         pos = [seq.num_computed for seq in seqs]
         positions = torch.tensor([seq.position_at(p) for seq, p in zip(seqs, pos)])  # [B] or [B, 3]
-        logits = self.graphs.run(
-            [seq.tokens[p] for seq, p in zip(seqs, pos)],
-            positions.T if positions.dim() == 2 else positions,
-            [seq.blocks[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)],
-            [p + 1 for p in pos], [seq.blocks for seq in seqs])
+        return DecodeInputs([seq.tokens[p] for seq, p in zip(seqs, pos)],
+                            positions.T.contiguous() if positions.dim() == 2 else positions,
+                            [seq.blocks[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)],
+                            [p + 1 for p in pos], [seq.blocks for seq in seqs])
+
+    def _run_graph(self, plan: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        logits = self.graphs.run(*self.graph_inputs(plan))
+        self._count_graph_step(len(plan))
+        return [seq for seq, _ in plan], logits
+
+    def _count_graph_step(self, batch: int) -> None:
         self.counters.steps += 1
         self.counters.graph_steps += 1
-        self.counters.computed_tokens += len(seqs)
-        return seqs, logits
+        self.counters.computed_tokens += batch
+
+    def capture_graphs(self) -> float:
+        """Captures every decode graph bucket now; returns the seconds spent capturing so far."""
+        if self.graphs is None:
+            return 0.0
+        self.graphs.capture_all()
+        return self.graphs.capture_seconds
 
     def run(self, plan: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor | None]:
         """plan: (sequence, tokens to feed) pairs. Returns the sequences to sample from now and

@@ -84,6 +84,27 @@ def test_tp2_engine_answers_like_tp1(name, ep, requests):
     assert not any(p.is_alive() for p in procs)  # shutdown stopped the workers
 
 
+@pytest.mark.parametrize("name,ep", [("gpt-oss-mxfp4", False), ("glm-bf16", True)])
+def test_tp2_decode_graph_path_answers_like_tp1(name, ep):
+    """Decode steps through every rank's DecodeGraphs (static buffers, padded buckets; on the CPU
+    they run without capture): rank 0 sends each step's decode inputs, the workers replay theirs."""
+    requests = [ask("Tell me a story", max_tokens=8), ask("Hello there", max_tokens=5), ask("Why?", max_tokens=7)]
+    one = engine(name)
+    try:
+        want = answers(one, requests)
+    finally:
+        one.shutdown()
+    two = engine(name, tp=2, ep=ep, cuda_graphs=True, max_running=4)
+    try:
+        assert two.warmup() == 0.0  # nothing to capture on the CPU
+        got = answers(two, requests)
+        graph_steps = two.counters()["graph_steps"]
+    finally:
+        two.shutdown()
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    assert graph_steps >= 4  # three sequences padded to the bucket of 4, then fewer
+
+
 def test_a_killed_worker_fails_requests_with_an_error_naming_it():
     e = engine("gpt-oss-mxfp4", tp=2)
     try:
