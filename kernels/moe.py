@@ -111,10 +111,11 @@ SHARED_MEMORY_BUDGET = 200 * 1024
 def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2) -> MoeConfig:
     """Tile sizes by the expected pairs per expert (uniform routing). Up to two pairs per expert
     (decode: gpt-oss-120b to 64 tokens, GLM-4.5V to 32) the row-streaming kernels with one pair
-    per program win on an H200 (bench/bench_moe_sweep.py, bench/NOTES-moe.md); above,
-    tensor-core tiles. MXFP4 takes the word-decode kernel, with narrower programs (more of them
-    per SM to keep loads in flight) at fewer pairs; block-scaled FP8 at up to half a pair per
-    expert steps over two 128-wide scale blocks."""
+    per program win on an H200; above, tensor-core tiles. Within the row kernels each choice
+    below is the fastest measured at that load (bench/bench_moe_sweep.py, bench/NOTES-moe.md):
+    MXFP4 word decode except at 1/8 pair per expert (gpt-oss-20b at 1 token, where the
+    code-by-code kernel measured faster), block FP8 over two scale blocks per K step up to half a
+    pair per expert, channel FP8 with the next chunk in flight at 1 token."""
     if not on_gpu:
         return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
     per_expert = num_pairs / max(num_experts, 1)
@@ -122,6 +123,8 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
         if fmt == FMT_MXFP4:
             if per_expert <= 0.1:
                 return MoeConfig(1, 8, 256, 1, 1, gemv=True, mx_words=True)
+            if per_expert <= 0.2:
+                return MoeConfig(1, 8, 512, 4, 1, gemv=True)
             if per_expert <= 0.5:
                 return MoeConfig(1, 16, 256, 2, 1, gemv=True, mx_words=True)
             return MoeConfig(1, 32, 256, 4, 1, gemv=True, mx_words=True)
@@ -129,6 +132,8 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
             if per_expert <= 0.5:
                 return MoeConfig(1, 16, 256, 4, 1, gemv=True)
             return MoeConfig(1, 32, 128, 4, 1, gemv=True)
+        if fmt == FMT_FP8_ROW and per_expert <= 0.1:
+            return MoeConfig(1, 16, 512, 4, 1, gemv=True, prefetch=True)
         return MoeConfig(1, 16, 256, 4, 1, gemv=True)
     block_k = 256 if fmt == FMT_MXFP4 else 128
     if per_expert <= 16:
