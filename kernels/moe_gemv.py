@@ -6,14 +6,20 @@ slabs, decode them in registers and reduce against each pair's activation row wi
 scales are applied once per 32-element group after the partial sum, not per element. Weight
 formats and activations are those of moe_gemm.py.
 
-MXFP4 word decode (MX_WORDS): the weight row is read as int32 words of 8 codes and each word is
+MXFP4 word decode (moe_*_words_kernel, MoeConfig.mx_words): the weight row is read as int32
+words of 8 codes and each word is
 decoded two values per 32-bit operation into bf16 bit patterns (no float conversion
-instruction), then widened to float32 by a shift or a mask. The decode costs about 2.5 integer
+instruction), then widened to float32 by a shift or a mask. The decode costs about 3 integer
 operations per weight value against about 7 plus a conversion per value for the code-by-code
-path; at decode sizes the kernel is bound by these operations, not by HBM (bench/NOTES-moe.md).
+path (half the instructions per value overall); what is left limiting these kernels at decode
+sizes is the number of loads in flight per SM (bench/NOTES-moe.md).
 The decoded value is E2M1 * 2^-126 (code 1 is a float32 subnormal, which the GPU keeps: no
 flush-to-zero in Triton's float arithmetic), so activations are scaled by 2^100 on load to keep
 the products normal, and the E8M0 group multiplier carries the remaining 2^26.
+
+Stream kernels (moe_*_stream_kernel, MoeConfig.prefetch, dense and FP8): the per-chunk
+reduction of the gemv kernels with the next chunk's weights requested before the current one is
+used, and block scales folded into the activations.
 """
 from __future__ import annotations
 
@@ -130,16 +136,6 @@ def _mx_words_dot(t0, t1, t2, t3, mult, x0, x1, x2, x3, x4, x5, x6, x7):
     acc += _hi_f32(t2) * x6[None, :, :]
     acc += _hi_f32(t3) * x7[None, :, :]
     return tl.sum(acc, axis=2) * mult
-
-
-@triton.jit
-def _pair_at(pair_ptr, pid_m, m, SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Pair index of slot m of this program (unsorted: program pid_m is pair pid_m)."""
-    if SORTED:
-        pair = tl.load(pair_ptr + pid_m * BLOCK_M + m)
-    else:
-        pair = pid_m
-    return pair
 
 
 @triton.jit
