@@ -64,9 +64,12 @@ class ParallelContext:
         if x.shape[-1] < per_rank:
             x = F.pad(x, (0, per_rank - x.shape[-1]))
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=-1)[..., :total]
+        # One gather into one tensor, ranks stacked along rows ([world * n, c], the layout every
+        # backend takes), which CUDA graphs capture as a single collective.
+        n, c = x.shape
+        out = torch.empty((self.world_size * n, c), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=self.group)
+        return out.view(self.world_size, n, c).permute(1, 0, 2).reshape(n, self.world_size * c)[:, :total]
 
 
 SINGLE = ParallelContext()

@@ -44,12 +44,12 @@ def test_uneven_column_slices_are_padded_for_the_gather_and_trimmed(monkeypatch)
     # vocabulary 10 over 3 ranks: cdiv gives 4, 4 and the last rank 2
     pieces = [torch.arange(0, 8.).view(2, 4), torch.arange(8, 16.).view(2, 4), torch.tensor([[16., 17], [18, 19]])]
 
-    def fake_all_gather(parts, x, group=None):
-        assert x.shape == (2, 4) and all(p.shape == x.shape for p in parts)
-        for p, piece in zip(parts, pieces):
+    def fake_all_gather_into_tensor(out, x, group=None):
+        assert x.shape == (2, 4) and out.shape == (3 * 2, 4)
+        for p, piece in zip(out.view(3, 2, 4), pieces):
             p.zero_()[:, :piece.shape[1]] = piece
 
-    monkeypatch.setattr(dist, "all_gather", fake_all_gather)
+    monkeypatch.setattr(dist, "all_gather_into_tensor", fake_all_gather_into_tensor)
     ctx = ParallelContext(2, 3, group=object())
     out = ctx.gather_columns(pieces[2], per_rank=4, total=10)
     assert torch.equal(out, torch.cat(pieces, dim=1))
