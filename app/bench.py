@@ -196,7 +196,12 @@ def bench_model(name: str, args) -> dict:
     if args.compare == "transformers":
         from .bench_compare import compare_transformers
 
-        result["compare"] = compare_transformers(name, spec, weights, args)
+        try:
+            result["compare"] = compare_transformers(name, spec, weights, args)
+        except torch.cuda.OutOfMemoryError as e:  # report it and go on with the next model
+            print(f"  vs transformers: did not fit in GPU memory ({e}); try --compare-layers N", flush=True)
+            result["compare"] = None
+            torch.cuda.empty_cache()
     del model, weights
     torch.cuda.empty_cache()
     return result

@@ -110,14 +110,16 @@ def compare_depth(spec: ModelSpec, weights: dict, spare_bytes: float = 12e9) -> 
     """The whole model when its bf16 copy fits in the free GPU memory (less `spare_bytes` for the
     cut engine's KV cache and both engines' activations), else the most layers that fit, at most 8."""
     per_layer: dict[int, int] = {}
-    rest = 0
+    rest = largest = 0
     for name, w in weights.items():
+        largest = max(largest, math.prod(w.shape))
         m = _LAYER.search(name)
         if m is None or ".visual." in name:
             rest += math.prod(w.shape)
         else:
             per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + math.prod(w.shape)
-    room = (torch.cuda.mem_get_info()[0] - spare_bytes) / 2 - rest  # bf16: 2 bytes a parameter
+    # bf16: 2 bytes a parameter, plus one tensor dequantised through float32 while copying in
+    room = (torch.cuda.mem_get_info()[0] - spare_bytes - 4 * largest) / 2 - rest
     fits = int(room // max(per_layer.values()))
     return spec.num_layers if fits >= spec.num_layers else max(1, min(8, fits))
 
