@@ -118,8 +118,9 @@ def compare_depth(spec: ModelSpec, weights: dict, spare_bytes: float = 12e9) -> 
             rest += math.prod(w.shape)
         else:
             per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + math.prod(w.shape)
-    # bf16: 2 bytes a parameter, plus one tensor dequantised through float32 while copying in
-    room = (torch.cuda.mem_get_info()[0] - spare_bytes - 4 * largest) / 2 - rest
+    # bf16: 2 bytes a parameter, plus one tensor dequantised while copying in (MXFP4 goes through
+    # three float32 temporaries of the whole tensor)
+    room = (torch.cuda.mem_get_info()[0] - spare_bytes - 12 * largest) / 2 - rest
     fits = int(room // max(per_layer.values()))
     return spec.num_layers if fits >= spec.num_layers else max(1, min(8, fits))
 

@@ -50,6 +50,8 @@ def dummy_weights(spec: ModelSpec, *, device: torch.device | str, dtype: torch.d
     q = spec.quant
     out: dict = {}
     for entry in expected_entries(spec):
+        if getattr(entry, "optional", False):  # what only some checkpoints carry (GLM-4.5V's has no vision qkv bias)
+            continue
         if isinstance(entry, PlainTensor):
             name, shape = entry.out, entry.shape
             if name.endswith(("norm.weight", "layernorm.weight", "norm1.weight", "norm2.weight")):
