@@ -24,8 +24,9 @@ from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4
 from .moe_align import moe_align
 from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4,
                        moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
-from .moe_gemv import (moe_down_gemv_kernel, moe_down_stream_kernel, moe_down_words_kernel, moe_gate_up_gemv_kernel,
-                       moe_gate_up_stream_kernel, moe_gate_up_words_kernel)
+from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
+from .moe_gemv_stream import moe_down_stream_kernel, moe_gate_up_stream_kernel
+from .moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
 
 ACTIVATIONS = {"silu_glu": ACT_SILU_GLU, "swiglu_clamped": ACT_SWIGLU_OAI}
 
