@@ -349,7 +349,6 @@ def _word_pair_head(tensors: dict, spec, tok, seed: int) -> None:
 
     from ..engine.layers.rotary import RotaryEmbedding, apply_rotary
 
-    g = torch.Generator().manual_seed(seed + 1)
     prefix = "model.language_model"
     embed = tensors[f"{prefix}.embed_tokens.weight"].float()
     vocab, hidden = embed.shape
@@ -376,7 +375,7 @@ def _word_pair_head(tensors: dict, spec, tok, seed: int) -> None:
 
     # Layer 0, head 0: attend to position p-1 and copy the flag into dim _FLAG_OUT.
     attn = f"{prefix}.layers.0.self_attn"
-    d, r = spec.head_dim, spec.rope.rotary_dim
+    d = spec.head_dim
     q = torch.zeros(d)
     for i in range(3):  # the three fastest rotary frequencies; amplitude sets the sharpness
         q[i] = 12.0

@@ -53,7 +53,7 @@ class Engine:
     """Serving options (keyword-only): block_size tokens per KV block; num_blocks or max_kv_tokens
     size the KV pool (default: the GPU memory left after the weights, or 16k tokens on CPU);
     max_batch_tokens is the per-step token budget (prefill chunk size); max_running caps the
-    sequences decoded together. cuda_graphs (default: on for CUDA, single process) replays decode
+    sequences decoded together. cuda_graphs (default: on for CUDA, on every rank) replays decode
     steps from captured graphs; each batch-size bucket is captured on first use, or all by `warmup()`.
 
     tp > 1 splits the model over tp processes, one per GPU (`gpus`, default 0..tp-1; on the CPU,

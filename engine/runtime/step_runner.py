@@ -21,6 +21,7 @@ from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class StepCounters:
     steps: int = 0
@@ -78,7 +79,9 @@ class StepRunner:
         if g is None or len(plan) > g.max_batch:
             return False
         for seq, n in plan:
-            if n != 1 or seq.num_computed + 1 != len(seq.tokens) or -(-len(seq.tokens) // self.cache.block_size) > g.max_blocks:
+            if n != 1 or seq.num_computed + 1 != len(seq.tokens):
+                return False
+            if -(-len(seq.tokens) // self.cache.block_size) > g.max_blocks:
                 return False
             if seq.spans and seq.num_computed < seq.spans[-1].end:
                 return False
