@@ -175,8 +175,8 @@ def bench_model(name: str, args) -> dict:
     result = dict(model=name, layers=spec.num_layers, weights_gb=total / 1e9, rows=[], image=None)
     try:
         _finals([engine.submit(_request(4, TextPart("tokens:64")))])  # compiles the prefill kernels
-        print(f"  decode graphs for batch sizes {engine.runner.graphs.sizes} captured in {engine.warmup():.1f} s",
-              flush=True)
+        print(f"  warmed up in {engine.warmup():.1f} s (prefill kernels compiled, decode graphs for batch sizes "
+              f"{engine.runner.graphs.sizes} captured)", flush=True)
         for b in batches:
             row = measure_batch(engine, spec, weights, b, args.prompt_len, args.gen_len)
             result["rows"].append(row)

@@ -262,8 +262,8 @@ def cmd_serve(args) -> int:
             print(f"localchat: using {args.model} (pass --model to choose)", file=sys.stderr)
         model_dir = _model_dir(args)
         engine = _load_engine(args, model_dir)
-        if engine.uses_cuda_graphs:
-            print("localchat: capturing the decode steps as CUDA graphs ...", end="", file=sys.stderr, flush=True)
+        if engine.device.type == "cuda":
+            print("localchat: compiling kernels and capturing decode graphs ...", end="", file=sys.stderr, flush=True)
             print(f" {engine.warmup():.1f} s", file=sys.stderr)
     auth = tuple(args.auth.split(":", 1)) if args.auth else None
     note = DEMO_NOTE if args.model == DEMO_NAME and not args.backend else None

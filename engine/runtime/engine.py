@@ -179,32 +179,30 @@ class Engine:
         self._inbox.put(seq)
         return stream
 
-    @property
-    def uses_cuda_graphs(self) -> bool:
-        graphs = self.runner.graphs
-        return graphs is not None and graphs.capture
-
     def warmup(self) -> float:
-        """Captures the decode graph of every batch-size bucket now (a server does this before its
-        first request, so no chat waits for a capture). Returns the seconds it took."""
-        if not self.uses_cuda_graphs:
+        """On a GPU: compiles the prefill kernels for the usual prompt-chunk sizes and captures the
+        decode graph of every batch-size bucket now (a server does this before its first request,
+        so no chat waits for either). Returns the seconds it took (0 on the CPU)."""
+        if self.device.type != "cuda":
             return 0.0
-        done, failure = threading.Event(), []
+        start, done, failure = time.perf_counter(), threading.Event(), []
+        sizes = sorted({min(n, self.max_batch_tokens) for n in (self.max_batch_tokens, 512, 128, 32, 8)}, reverse=True)
 
-        def capture() -> None:  # runs on the engine thread, which owns the GPU work
+        def work() -> None:  # runs on the engine thread, which owns the GPU work
             try:
+                self.runner.warm_prefill(self.pool, sizes)
                 self.runner.capture_graphs()
             except Exception as e:
                 failure.append(e)
             finally:
                 done.set()
 
-        self._inbox.put(capture)
+        self._inbox.put(work)
         done.wait()
         if failure:
-            raise RuntimeError(f"capturing the decode graphs failed ({failure[0]}); start with CUDA graphs "
-                               "off to run decode steps eagerly") from failure[0]
-        return self.runner.graphs.capture_seconds
+            raise RuntimeError(f"warming up the engine failed ({type(failure[0]).__name__}: {failure[0]}); "
+                               "start with CUDA graphs off to run decode steps eagerly") from failure[0]
+        return time.perf_counter() - start
 
     def counters(self) -> dict[str, int]:
         """Running totals for tests and benchmarks."""

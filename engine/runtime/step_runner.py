@@ -108,6 +108,32 @@ class StepRunner:
         self.counters.graph_steps += 1
         self.counters.computed_tokens += batch
 
+    def forward(self, inputs: "StepInputs") -> torch.Tensor | None:
+        """Runs prepared step inputs (under tensor parallelism, on every rank)."""
+        return self.execute(inputs)
+
+    def warm_prefill(self, pool, sizes: list[int]) -> list[int]:
+        """Runs one prefill of each token count in `sizes` through the model, in blocks borrowed
+        from `pool` and given back, so the kernels those prompt chunks use are compiled before the
+        first chat. Returns the sizes that ran (those whose blocks were free)."""
+        done = []
+        bs = self.cache.block_size
+        for t in sizes:
+            if -(-t // bs) > pool.num_free:
+                continue
+            blocks = pool.allocate(-(-t // bs))
+            try:
+                positions = torch.arange(t)
+                if self.model.spec.family == "glm4v_moe":
+                    positions = positions.expand(3, -1)
+                vocab = self.model.spec.vocab_size
+                ids = [(1000 + i) % vocab for i in range(t)]
+                self.forward(StepInputs(ids, [(blocks, 0, t)], positions, None, [t - 1]))
+            finally:
+                pool.free(blocks)
+            done.append(t)
+        return done
+
     def capture_graphs(self) -> float:
         """Captures every decode graph bucket now; returns the seconds spent capturing so far."""
         if self.graphs is None:

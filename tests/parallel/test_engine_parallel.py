@@ -96,7 +96,8 @@ def test_tp2_decode_graph_path_answers_like_tp1(name, ep):
         one.shutdown()
     two = engine(name, tp=2, ep=ep, cuda_graphs=True, max_running=4)
     try:
-        assert two.warmup() == 0.0  # nothing to capture on the CPU
+        assert two.warmup() == 0.0  # nothing to compile or capture on the CPU
+        assert two.runner.warm_prefill(two.pool, [12]) == [12]  # a prefill every rank runs
         got = answers(two, requests)
         graph_steps = two.counters()["graph_steps"]
     finally:

@@ -68,3 +68,14 @@ def test_exponential_race_draws_the_softmax_distribution(temperature):
     counts = torch.bincount(torch.tensor([s(logits, None) for _ in range(4000)]), minlength=5).float()
     expected = torch.softmax(logits / temperature, dim=0)
     assert torch.allclose(counts / counts.sum(), expected, atol=0.03)
+
+
+def test_warm_prefill_borrows_blocks_and_changes_no_answer(glm):
+    request = chat(("user", (image(5), TextPart("What is this?"))), max_tokens=6)
+    engine = glm.engine(block_size=4, max_batch_tokens=32)
+    before = collect(engine.submit(request))[0]
+    assert _wait_until_idle(engine)
+    ran = engine.runner.warm_prefill(engine.pool, [32, 8, 10**6])  # the last does not fit: skipped
+    assert ran == [32, 8] and _wait_until_idle(engine)
+    assert collect(engine.submit(request))[0] == before
+    engine.shutdown()
