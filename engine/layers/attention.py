@@ -46,25 +46,24 @@ class SelfAttention:
         self.heads, self.kv_heads, self.head_dim = layout.num_q_heads, layout.num_kv_heads, spec.head_dim
         self.scale = spec.head_dim ** -0.5
         self.window = spec.sliding_window if spec.layer_types[layer] == "sliding" else None
-        self.q, self.k, self.v, self.o = (weights[f"{prefix}.{n}_proj.weight"] for n in "qkvo")
-        self.q_b, self.k_b, self.v_b, self.o_b = (weights.get(f"{prefix}.{n}_proj.bias") for n in "qkvo")
+        q, k, v, self.o = (weights[f"{prefix}.{n}_proj.weight"] for n in "qkvo")
+        q_b, k_b, v_b, self.o_b = (weights.get(f"{prefix}.{n}_proj.bias") for n in "qkvo")
         self.sinks = weights.get(f"{prefix}.sinks") if spec.attention_sinks else None
-        # q, k and v read the same input: one fused weight is one kernel launch instead of three.
-        self.qkv = concat_rows([self.q, self.k, self.v], [self.q_b, self.k_b, self.v_b])
-        for w, heads, what in ((self.q, self.heads, "q_proj"), (self.k, self.kv_heads, "k_proj")):
+        for w, heads, what in ((q, self.heads, "q_proj"), (k, self.kv_heads, "k_proj")):
             if w.shape[0] != heads * self.head_dim:
                 raise ValueError(f"{prefix}.{what} has {w.shape[0]} rows, but rank {ctx.rank} of {ctx.world_size} "
                                  f"should hold {heads} heads of {self.head_dim}: the weights were cut for another split")
+        # q, k and v read the same input: one fused weight is one kernel launch instead of three.
+        # Only the fused copy is kept, so the separate ones are freed with the loaded store.
+        fused = concat_rows([q, k, v], [q_b, k_b, v_b])
+        self.qkv_parts = [fused] if fused is not None else [(q, q_b), (k, k_b), (v, v_b)]
+        self.qkv_widths = [w.shape[0] for w in (q, k, v)]
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, cache) -> torch.Tensor:
         """x [T, hidden] packed over the batch; cos/sin [T, rotary_dim] carry the rotary angles."""
         t = x.shape[0]
-        if self.qkv is not None:
-            qkv = linear(x, *self.qkv)
-            q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                                 self.kv_heads * self.head_dim], dim=-1)
-        else:
-            q, k, v = linear(x, self.q, self.q_b), linear(x, self.k, self.k_b), linear(x, self.v, self.v_b)
+        outs = [linear(x, w, b) for w, b in self.qkv_parts]
+        q, k, v = outs[0].split(self.qkv_widths, dim=-1) if len(outs) == 1 else outs
         q = q.view(t, self.heads, self.head_dim)
         k = k.view(t, self.kv_heads, self.head_dim)
         v = v.view(t, self.kv_heads, self.head_dim)
