@@ -28,6 +28,8 @@ from ..engine.models import build_model
 from ..engine.runtime.request import ChatRequest, Final, ImagePart, Message, SamplingParams, TextPart
 from ..engine.spec import ModelSpec
 from ..engine.weights.dummy import dummy_weights
+from ..engine.weights.formats import stored_bytes
+from ..engine.weights.loader import weight_bytes
 
 COPY_CEILING = 4.27e12  # device-to-device copy on one H200, read + write (DESIGN.md)
 BLOCK = 16
@@ -44,11 +46,6 @@ def spec_for(name: str, layers: int | None) -> ModelSpec:
     return ModelSpec.from_config(cfg)
 
 
-def nbytes(w) -> int:
-    tensors = [w] if isinstance(w, torch.Tensor) else [t for t in vars(w).values() if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def step_bytes(spec: ModelSpec, weights: dict, batch: int, context: int) -> int:
     """Bytes one decode step reads: every non-expert weight once (the embedding only for the
     batch's rows, vision tower not at all), the routed experts the batch selects (expected
@@ -62,9 +59,9 @@ def step_bytes(spec: ModelSpec, weights: dict, batch: int, context: int) -> int:
         if name.endswith("embed_tokens.weight"):
             total += batch * w.shape[1] * w.element_size()
         elif ".mlp.experts." in name:
-            total += nbytes(w) * distinct / e
+            total += stored_bytes(w) * distinct / e
         else:
-            total += nbytes(w)
+            total += stored_bytes(w)
     kv_per_token = 2 * spec.num_kv_heads * spec.head_dim * 2
     for t in spec.layer_types:
         seen = min(context, spec.sliding_window) if t == "sliding" else context
@@ -167,7 +164,7 @@ def bench_model(name: str, args) -> dict:
     weights = dummy_weights(spec, device="cuda", dtype=torch.bfloat16)
     model = build_model(spec, weights, "cuda")
     torch.cuda.synchronize()
-    total = sum(nbytes(w) for w in weights.values())
+    total = weight_bytes(weights)
     print(f"{name}: {spec.num_layers} layers, weights {total / 1e9:.1f} GB built in {time.perf_counter() - t0:.1f} s",
           flush=True)
     image_tokens = 1100 if (args.image and spec.vision is not None) else 0

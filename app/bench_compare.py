@@ -46,10 +46,6 @@ def hf_tensors(store: dict, family: str, dtype: torch.dtype = torch.bfloat16):
             yield f"{base}.down_proj", t
 
 
-def hf_state_dict(store: dict, family: str, dtype: torch.dtype = torch.bfloat16) -> dict:
-    return dict(hf_tensors(store, family, dtype))
-
-
 def first_layers(store: dict, layers: int) -> dict:
     return {k: v for k, v in store.items() if (m := _LAYER.search(k)) is None or int(m.group(1)) < layers
             or ".visual." in k}

@@ -66,7 +66,7 @@ class Engine:
                  max_context: int | None = None, on_progress=None, name: str | None = None,
                  tp: int = 1, ep: bool = False, gpus: list[int] | None = None, **serving):
         from ..models import build_model
-        from ..weights.loader import load_weights
+        from ..weights.loader import load_weights, weight_bytes
 
         path = Path(model_dir)
         dev = resolve_device(device)
@@ -85,7 +85,7 @@ class Engine:
             if gpus:
                 dev = torch.device("cuda", gpus[0]) if dev.type == "cuda" else dev
             weights = load_weights(path, spec, device=dev, dtype=dt, on_progress=on_progress)
-            model, nbytes = build_model(spec, weights, dev), sum(_nbytes(w) for w in weights.values())
+            model, nbytes = build_model(spec, weights, dev), weight_bytes(weights)
         try:
             self._setup(spec, model, formatter, dev, dt, name or path.name, max_context, nbytes, **serving)
         except BaseException:
@@ -353,9 +353,3 @@ class RequestTooLong(ValueError):
     def __init__(self, message: str, prompt_ids: list[int]):
         super().__init__(message)
         self.prompt_ids = prompt_ids
-
-
-def _nbytes(w) -> int:
-    if isinstance(w, torch.Tensor):
-        return w.numel() * w.element_size()
-    return sum(t.numel() * t.element_size() for t in vars(w).values() if isinstance(t, torch.Tensor))

@@ -89,3 +89,8 @@ class Mxfp4Weight:
 
 LinearWeight = DenseWeight | Fp8Weight | Mxfp4Weight
 
+
+def stored_bytes(w: "torch.Tensor | LinearWeight") -> int:
+    """Bytes a plain tensor or a weight record (payload and scales) occupies."""
+    tensors = [w] if isinstance(w, torch.Tensor) else [t for t in vars(w).values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..spec import ModelSpec, UnsupportedModel
 from .errors import CheckpointError, redownload_hint
-from .formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight
+from .formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight, stored_bytes
 from .plan import LoadPlan, PlannedOutput, plan_load
 from .quant_config import UnsupportedQuantization
 from .safetensors_files import scan_checkpoint
@@ -87,11 +87,7 @@ def load_weights(path: str | Path, spec: ModelSpec, *, device: str | torch.devic
 
 def weight_bytes(weights: Weights) -> int:
     """Bytes the loaded weights occupy (payloads and scales)."""
-    total = 0
-    for v in weights.values():
-        tensors = [v] if isinstance(v, torch.Tensor) else [getattr(v, f) for f in v.__dataclass_fields__]
-        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    return total
+    return sum(stored_bytes(v) for v in weights.values())
 
 
 def _cast(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:

@@ -2,13 +2,13 @@
 runs transformers on exactly the engine's weights."""
 import torch
 
-from localchat.app.bench_compare import first_layers, hf_model, hf_state_dict
+from localchat.app.bench_compare import first_layers, hf_model, hf_tensors
 from tiny_models import to_store
 
 
 def _round_trip(tiny, family):
     ref = tiny.hf.state_dict()
-    state = hf_state_dict(to_store(ref, family), family, torch.float32)
+    state = dict(hf_tensors(to_store(ref, family), family, torch.float32))
     assert set(state) == set(ref)
     assert all(torch.equal(state[k], ref[k].float()) for k in ref)
     model = hf_model(tiny.hf.config.to_dict(), tiny.spec.num_layers, state, device="cpu", dtype=torch.float32)
