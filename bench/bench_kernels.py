@@ -16,10 +16,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from kernel_checks import cuda_time_us, quantize_fp8_blocks, quantize_fp8_rows, random_mxfp4  # noqa: E402
+from kernel_checks import cuda_time_us, random_glm_weights, random_gpt_oss_experts  # noqa: E402
 
 from localchat.engine.weights.formats import Fp8Weight, Mxfp4Weight  # noqa: E402
-from localchat.kernels.moe import MoeConfig, MoeExperts, expert_slice, fused_moe, gpt_oss_experts  # noqa: E402
+from localchat.kernels.moe import MoeConfig, MoeExperts, expert_slice, fused_moe  # noqa: E402
 from localchat.kernels.moe_routing import route_glm, route_gpt_oss  # noqa: E402
 
 COPY_CEILING_GBS = 4270.0  # measured device-to-device copy on one H200 (DESIGN.md)
@@ -120,17 +120,9 @@ def bench_moe(sweep: bool) -> None:
     ]
     for name, fmt, e, k, h, i in cases:
         if fmt == "mxfp4":
-            experts = gpt_oss_experts(Mxfp4Weight(*random_mxfp4(e, 2 * i, h, device="cuda")),
-                                      torch.randn(e, 2 * i, device="cuda", dtype=torch.bfloat16),
-                                      Mxfp4Weight(*random_mxfp4(e, h, i, device="cuda")),
-                                      torch.randn(e, h, device="cuda", dtype=torch.bfloat16))
+            experts = random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda")
         else:
-            ws = [torch.randn(e, *s, device="cuda") / s[1] ** 0.5 for s in ((i, h), (i, h), (h, i))]
-            if fmt == "fp8_channel":
-                experts = MoeExperts(*[Fp8Weight(*quantize_fp8_rows(w)) for w in ws])
-            else:
-                experts = MoeExperts(*[Fp8Weight(*quantize_fp8_blocks(w), block=(128, 128)) for w in ws])
-            del ws
+            experts = MoeExperts(*random_glm_weights(fmt, e, i, h, device="cuda"))
         per_expert = sum(_weight_bytes(w) for w in (experts.gate, experts.up, experts.down))
         for t in (1, 8, 32, 64):
             x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)

@@ -20,10 +20,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from kernel_checks import quantize_fp8_blocks, quantize_fp8_rows, random_mxfp4, rel_err  # noqa: E402
+from kernel_checks import random_glm_weights, random_gpt_oss_experts, rel_err  # noqa: E402
 
-from localchat.engine.weights.formats import Fp8Weight, Mxfp4Weight  # noqa: E402
-from localchat.kernels.moe import MoeConfig, MoeExperts, default_config, fused_moe, gpt_oss_experts  # noqa: E402
+from localchat.engine.weights.formats import Mxfp4Weight  # noqa: E402
+from localchat.kernels.moe import MoeConfig, MoeExperts, default_config, fused_moe  # noqa: E402
 from localchat.kernels.moe_routing import route_glm, route_gpt_oss  # noqa: E402
 
 COPY_CEILING_GBS = 4270.0  # measured device-to-device copy on one H200 (DESIGN.md)
@@ -49,14 +49,8 @@ NEW_CANDIDATES["fp8_block"] = NEW_CANDIDATES["fp8_channel"]
 
 def make_case(fmt, e, h, i):
     if fmt == "mxfp4":
-        return gpt_oss_experts(Mxfp4Weight(*random_mxfp4(e, 2 * i, h, device="cuda")),
-                               torch.randn(e, 2 * i, device="cuda", dtype=torch.bfloat16),
-                               Mxfp4Weight(*random_mxfp4(e, h, i, device="cuda")),
-                               torch.randn(e, h, device="cuda", dtype=torch.bfloat16))
-    ws = [torch.randn(e, *s, device="cuda") / s[1] ** 0.5 for s in ((i, h), (i, h), (h, i))]
-    if fmt == "fp8_channel":
-        return MoeExperts(*[Fp8Weight(*quantize_fp8_rows(w)) for w in ws])
-    return MoeExperts(*[Fp8Weight(*quantize_fp8_blocks(w), block=(128, 128)) for w in ws])
+        return random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda")
+    return MoeExperts(*random_glm_weights(fmt, e, i, h, device="cuda"))
 
 
 def expert_bytes(experts) -> int:

@@ -81,3 +81,27 @@ def paged_cache(lens, hkv, d, block_size, dtype, spare_blocks=3):
     v = torch.randn(num_blocks, block_size, hkv, d, device=DEV).to(dtype)
     tables = torch.randperm(num_blocks, device=DEV)[: len(lens) * max_blocks].view(len(lens), max_blocks)
     return k, v, tables.to(torch.int32).contiguous(), torch.tensor(lens, dtype=torch.int32, device=DEV)
+
+
+def random_glm_weights(fmt: str, e: int, i: int, h: int, *, dtype=torch.float32, block=(128, 128), device=DEV):
+    """GLM-shaped expert stacks [gate, up] [E, I, H] and down [E, H, I] with random weights in
+    `fmt`: "dense" (in dtype), "fp8_channel", or "fp8_block" (scales on `block`)."""
+    from localchat.engine.weights.formats import DenseWeight, Fp8Weight
+
+    ws = [torch.randn(e, *s, device=device) / s[1] ** 0.5 for s in ((i, h), (i, h), (h, i))]
+    if fmt == "dense":
+        return [DenseWeight(w.to(dtype)) for w in ws]
+    if fmt == "fp8_channel":
+        return [Fp8Weight(*quantize_fp8_rows(w)) for w in ws]
+    return [Fp8Weight(*quantize_fp8_blocks(w, *block), block=block) for w in ws]
+
+
+def random_gpt_oss_experts(e: int, i: int, h: int, *, bias_dtype=torch.float32, device=DEV):
+    """gpt-oss experts: MXFP4 gate_up [E, 2I, H] (rows interleaved) and down [E, H, I] with biases."""
+    from localchat.engine.weights.formats import Mxfp4Weight
+    from localchat.kernels.moe import gpt_oss_experts
+
+    return gpt_oss_experts(Mxfp4Weight(*random_mxfp4(e, 2 * i, h, device=device)),
+                           torch.randn(e, 2 * i, device=device, dtype=bias_dtype),
+                           Mxfp4Weight(*random_mxfp4(e, h, i, device=device)),
+                           torch.randn(e, h, device=device, dtype=bias_dtype))

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from kernel_checks import DEV, random_routing, cuda_time_us, quantize_fp8_blocks, quantize_fp8_rows, random_mxfp4, rel_err
-from localchat.engine.weights.formats import DenseWeight, Fp8Weight, Mxfp4Weight
+from kernel_checks import (DEV, cuda_time_us, random_glm_weights, random_gpt_oss_experts,
+                           random_mxfp4, random_routing, rel_err)
+from localchat.engine.weights.formats import DenseWeight, Mxfp4Weight
 from localchat.kernels.moe import MoeConfig, MoeExperts, fused_moe, fused_moe_ref, gpt_oss_experts, split_gate_up
 from localchat.kernels.moe_routing import route_glm, route_gpt_oss
 
@@ -11,13 +12,7 @@ TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
 def _glm_weights(fmt, e, i, h, dtype):
-    gate, up, down = (torch.randn(e, *s, device=DEV) / s[1] ** 0.5 for s in ((i, h), (i, h), (h, i)))
-    if fmt == "dense":
-        return [DenseWeight(w.to(dtype)) for w in (gate, up, down)]
-    if fmt == "fp8_channel":
-        return [Fp8Weight(*quantize_fp8_rows(w)) for w in (gate, up, down)]
-    blk = (16, 32)
-    return [Fp8Weight(*quantize_fp8_blocks(w, *blk), block=blk) for w in (gate, up, down)]
+    return random_glm_weights(fmt, e, i, h, dtype=dtype, block=(16, 32))
 
 
 @pytest.mark.parametrize("fmt,dtype,t", [
@@ -114,13 +109,7 @@ def _tensors(w):
 @pytest.mark.parametrize("t", [1, 32])
 def test_glm45v_moe_gpu(fmt, t):
     e, k, h, i = 128, 8, 4096, 1408
-    ws = [torch.randn(e, *s, device="cuda") / s[1] ** 0.5 for s in ((i, h), (i, h), (h, i))]
-    if fmt == "fp8_channel":
-        weights = [Fp8Weight(*quantize_fp8_rows(w)) for w in ws]
-    else:
-        weights = [Fp8Weight(*quantize_fp8_blocks(w), block=(128, 128)) for w in ws]
-    del ws
-    experts = MoeExperts(*weights)
+    experts = MoeExperts(*random_glm_weights(fmt, e, i, h, device="cuda"))
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     w, ids = route_glm(torch.randn(t, e, device="cuda"), torch.randn(e, device="cuda") * 0.1, k)
     out = fused_moe(x, experts, w, ids)
@@ -135,10 +124,7 @@ def test_glm45v_moe_gpu(fmt, t):
 @pytest.mark.parametrize("t", [1, 32])
 def test_gpt_oss_moe_gpu(e, t):
     k, h, i = 4, 2880, 2880
-    experts = gpt_oss_experts(Mxfp4Weight(*random_mxfp4(e, 2 * i, h, device="cuda")),
-                              torch.randn(e, 2 * i, device="cuda", dtype=torch.bfloat16),
-                              Mxfp4Weight(*random_mxfp4(e, h, i, device="cuda")),
-                              torch.randn(e, h, device="cuda", dtype=torch.bfloat16))
+    experts = random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     w, ids = route_gpt_oss(torch.randn(t, e, device="cuda"), k)
     out = fused_moe(x, experts, w, ids)

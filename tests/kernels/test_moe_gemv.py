@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from kernel_checks import DEV, random_routing, quantize_fp8_blocks, quantize_fp8_rows, random_mxfp4, rel_err
-from localchat.engine.weights.formats import DenseWeight, Fp8Weight, Mxfp4Weight
+from kernel_checks import (DEV, quantize_fp8_blocks, random_glm_weights, random_gpt_oss_experts,
+                           random_mxfp4, random_routing, rel_err)
+from localchat.engine.weights.formats import Fp8Weight, Mxfp4Weight
 from localchat.kernels.moe import MoeConfig, MoeExperts, fused_moe, fused_moe_ref, gpt_oss_experts
 from localchat.kernels.moe_routing import route_glm, route_gpt_oss
 
@@ -19,14 +20,7 @@ TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 def test_glm_experts_gemv(fmt, dtype, block_m):
     # K=80 leaves a partial K chunk and partial FP8 scale blocks; N=40 a partial row slab
     e, k, h, i, t = 3, 2, 80, 40, 5  # 3 experts, 10 pairs: several pairs share an expert
-    gate, up, down = (torch.randn(e, *s, device=DEV) / s[1] ** 0.5 for s in ((i, h), (i, h), (h, i)))
-    if fmt == "dense":
-        weights = [DenseWeight(w.to(dtype)) for w in (gate, up, down)]
-    elif fmt == "fp8_channel":
-        weights = [Fp8Weight(*quantize_fp8_rows(w)) for w in (gate, up, down)]
-    else:
-        weights = [Fp8Weight(*quantize_fp8_blocks(w, 16, 32), block=(16, 32)) for w in (gate, up, down)]
-    experts = MoeExperts(*weights)
+    experts = MoeExperts(*random_glm_weights(fmt, e, i, h, dtype=dtype, block=(16, 32)))
     x = torch.randn(t, h, device=DEV, dtype=dtype)
     w, ids = random_routing(t, e, k)
     cfg = MoeConfig(block_m, 16, 32, 1, 1, gemv=True)
@@ -114,14 +108,7 @@ def test_mxfp4_words_keep_half_codes(dtype):
 ])
 def test_glm_experts_prefetch(fmt, dtype, block_m, block_k):
     e, k, h, i, t = 4, 2, 80, 48, 3  # partial K chunk, partial scale blocks, an expert without pairs
-    gate, up, down = (torch.randn(e, *s, device=DEV) / s[1] ** 0.5 for s in ((i, h), (i, h), (h, i)))
-    if fmt == "dense":
-        weights = [DenseWeight(w.to(dtype)) for w in (gate, up, down)]
-    elif fmt == "fp8_channel":
-        weights = [Fp8Weight(*quantize_fp8_rows(w)) for w in (gate, up, down)]
-    else:
-        weights = [Fp8Weight(*quantize_fp8_blocks(w, 16, 32), block=(16, 32)) for w in (gate, up, down)]
-    experts = MoeExperts(*weights)
+    experts = MoeExperts(*random_glm_weights(fmt, e, i, h, dtype=dtype, block=(16, 32)))
     x = torch.randn(t, h, device=DEV, dtype=dtype)
     w, ids = random_routing(t, e, k)
     cfg = MoeConfig(block_m, 16, block_k, 1, 1, gemv=True, prefetch=True)
@@ -165,10 +152,7 @@ def test_new_row_kernels_reject_bad_tiles():
 ])
 def test_gpt_oss_words_gpu(t, cfg):
     e, k, h, i = 128, 4, 2880, 2880
-    experts = gpt_oss_experts(Mxfp4Weight(*random_mxfp4(e, 2 * i, h, device="cuda")),
-                              torch.randn(e, 2 * i, device="cuda", dtype=torch.bfloat16),
-                              Mxfp4Weight(*random_mxfp4(e, h, i, device="cuda")),
-                              torch.randn(e, h, device="cuda", dtype=torch.bfloat16))
+    experts = random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     w, ids = route_gpt_oss(torch.randn(t, e, device="cuda"), k)
     err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
@@ -185,12 +169,7 @@ def test_gpt_oss_words_gpu(t, cfg):
 ])
 def test_glm_prefetch_gpu(fmt, t, cfg):
     e, k, h, i = 128, 8, 4096, 1408
-    ws = [torch.randn(e, *s, device="cuda") / s[1] ** 0.5 for s in ((i, h), (i, h), (h, i))]
-    if fmt == "fp8_channel":
-        experts = MoeExperts(*[Fp8Weight(*quantize_fp8_rows(w)) for w in ws])
-    else:
-        experts = MoeExperts(*[Fp8Weight(*quantize_fp8_blocks(w), block=(128, 128)) for w in ws])
-    del ws
+    experts = MoeExperts(*random_glm_weights(fmt, e, i, h, device="cuda"))
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     w, ids = route_glm(torch.randn(t, e, device="cuda"), torch.randn(e, device="cuda") * 0.1, k)
     err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
