@@ -1,6 +1,6 @@
 """Sweep MoE kernel configs at decode sizes on one GPU and print GB/s against the copy ceiling.
 
-    python bench/bench_moe_sweep.py [--ts 1,8,32] [--only mxfp4,fp8_channel,fp8_block,mxfp4_20b] [--tile]
+    python bench/bench_moe_sweep.py [--ts 1,8,32] [--only mxfp4,fp8_channel,fp8_block,mxfp4_20b] [--tile] [--tiles]
 
 Cases: gpt-oss-120b MXFP4 (E=128, k=4, H=I=2880), GLM-4.5V FP8 channel and 128x128-block
 (E=128, k=8, H=4096, I=1408), gpt-oss-20b (E=32, defaults only), random weights. Each timing is a CUDA graph of 20 fused_moe calls,
@@ -45,6 +45,22 @@ NEW_CANDIDATES = {
     },
 }
 NEW_CANDIDATES["fp8_block"] = NEW_CANDIDATES["fp8_channel"]
+
+# (block_m, block_n, block_k, num_warps, num_stages, mx_dot_scaled) of the tensor-core tile
+# kernels (--tiles): each expert's pairs grouped by moe_align, the weight tile the left operand.
+TILE_CANDIDATES = {
+    "mxfp4": [(16, 32, 256, 4, 4, True), (16, 64, 256, 4, 3, True), (16, 64, 128, 4, 4, True),
+              (16, 128, 128, 4, 3, True), (16, 128, 128, 8, 3, True), (16, 64, 256, 4, 3, False),
+              (16, 128, 128, 8, 3, False), (16, 32, 512, 4, 2, True)],
+    "fp8_channel": [(16, 32, 128, 4, 4, True), (16, 64, 128, 4, 4, True), (16, 128, 128, 4, 3, True),
+                    (16, 128, 128, 8, 3, True), (16, 64, 256, 4, 3, True)],
+}
+TILE_CANDIDATES["fp8_block"] = [c for c in TILE_CANDIDATES["fp8_channel"] if c[2] <= 128]
+# (block_m, block_n, block_k, num_warps, num_stages) of row kernels timed with --tiles: whether
+# the compiler's software pipeliner keeps more K chunks in flight for loads that feed no dot
+STAGED_ROW_CANDIDATES = {"mxfp4": [(1, 8, 256, 1, 3), (1, 16, 256, 2, 3), (1, 8, 512, 4, 3)],
+                         "fp8_channel": [(1, 16, 256, 4, 3), (1, 16, 512, 4, 3)],
+                         "fp8_block": [(1, 16, 256, 4, 3), (1, 32, 128, 4, 3)]}
 
 
 def make_case(fmt, e, h, i):
@@ -109,7 +125,7 @@ def new_config(fmt, bm, bn, bk, nw):
     return MoeConfig(bm, bn, bk, nw, 1, gemv=True, mx_words=fmt == "mxfp4", prefetch=True)
 
 
-def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile, candidates=True):
+def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile, candidates=True, tiles=False):
     experts = make_case(fmt, e, h, i)
     per_expert = expert_bytes(experts)
     fmt_code = {"mxfp4": 3, "fp8_channel": 1, "fp8_block": 2}[fmt]
@@ -131,8 +147,14 @@ def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile, candidates=True):
         if with_tile:
             tile = MoeConfig(16, 32, 256 if fmt == "mxfp4" else 128, 4, 4)
             cands.append((_label(tile), tile))
-        for spec in NEW_CANDIDATES[fmt].get(t, NEW_CANDIDATES[fmt][32]) if candidates else []:
+        for spec in NEW_CANDIDATES[fmt].get(t, NEW_CANDIDATES[fmt][32]) if candidates and not tiles else []:
             cfg = new_config(fmt, *spec)
+            cands.append((_label(cfg), cfg))
+        for bm, bn, bk, nw, ns in STAGED_ROW_CANDIDATES[fmt] if tiles else []:
+            cfg = MoeConfig(bm, bn, bk, nw, ns, gemv=True, mx_words=fmt == "mxfp4" and bk <= 256)
+            cands.append((_label(cfg) + f" s{ns}", cfg))
+        for bm, bn, bk, nw, ns, dot_scaled in TILE_CANDIDATES[fmt] if tiles else []:
+            cfg = MoeConfig(bm, bn, bk, nw, ns, mx_dot_scaled=dot_scaled)
             cands.append((_label(cfg), cfg))
         results = []
         for label, cfg in cands:
@@ -163,7 +185,8 @@ def _flush(rows):
 
 def _label(cfg):
     if not cfg.gemv:
-        return f"tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+        decode = "" if cfg.mx_dot_scaled else " bit-decode"
+        return f"tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{decode}"
     kind = ("words" if cfg.mx_words else "stream" if cfg.prefetch else "gemv") + (" pf" if cfg.prefetch and cfg.mx_words else "")
     regs = f" r{cfg.max_registers}" if cfg.max_registers else ""
     return f"{kind} m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps}{regs}"
@@ -174,6 +197,8 @@ def main():
     parser.add_argument("--ts", default="1,8,32")
     parser.add_argument("--only", default="mxfp4,fp8_channel,fp8_block,mxfp4_20b")
     parser.add_argument("--tile", action="store_true", help="also time the tensor-core tile kernel")
+    parser.add_argument("--tiles", action="store_true", help="sweep tensor-core tiles (TILE_CANDIDATES) "
+                        "instead of the row-kernel candidates")
     args = parser.parse_args()
     torch.manual_seed(0)
     ts = [int(v) for v in args.ts.split(",")]
@@ -188,7 +213,7 @@ def main():
     for key, *case in cases:
         if key in args.only.split(","):
             # gpt-oss-20b: the defaults only, against the previous default
-            sweep_case(*case, ts, rows, args.tile, candidates=key != "mxfp4_20b")
+            sweep_case(*case, ts, rows, args.tile, candidates=key != "mxfp4_20b", tiles=args.tiles)
     _flush(rows)
 
 

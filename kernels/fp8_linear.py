@@ -17,6 +17,7 @@ import triton.language as tl
 
 from ..engine.weights.formats import Fp8Weight
 from .moe_gemm import FMT_FP8_BLK, FMT_FP8_ROW, _row_scale, _weight_dot
+from .row_gemv import GEMV_MAX_M, gemv_block_n, row_gemv_kernel
 
 FP8_MAX = 448.0
 SCALED_MM_MIN_M = 64
@@ -43,52 +44,6 @@ def _fp8_linear_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, str
              mask=m_valid[None, :] & n_mask[:, None])
 
 
-@triton.jit
-def _fp8_gemv_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, b_ptr, out_ptr, stride_om,
-                     M, N, K, FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Row streaming for a few tokens: each program reads BLOCK_N weight rows once, in wide
-    contiguous slabs, and reduces them against every token's activations with FMAs (no
-    tensor-core tile, which would be mostly padding at M <= 2). Block scales apply per K step
-    (BLOCK_K divides the scale block)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    cols = tl.arange(0, M_PAD)
-    acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
-    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = kk < K
-        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if FORMAT == 2:
-            s = tl.load(s_ptr + (n // SBN) * stride_sn + (k0 // SBK) * stride_sk, mask=n_mask, other=0.0)
-        for m in tl.static_range(M_PAD):
-            # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
-            x = tl.load(x_ptr + m * stride_xm + kk, mask=k_mask & ((kk * 0 + m) < M), other=0.0).to(tl.float32)
-            part = tl.sum(w * x[None, :], axis=1)
-            if FORMAT == 2:
-                part = part * s
-            acc = tl.where(cols[None, :] == m, acc + part[:, None], acc)
-    if FORMAT == 1:
-        acc = acc * tl.load(s_ptr + n * stride_sn, mask=n_mask, other=0.0)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + cols[None, :] * stride_om + n[:, None], acc.to(out_ptr.dtype.element_ty),
-             mask=(cols < M)[None, :] & n_mask[:, None])
-
-
-GEMV_MAX_M = 2  # H200: 1 token 2.4x faster than the tile kernel; at 4 the two are even, at 8 the tile wins
-NUM_SMS = 132  # H200; the row split only needs to be about right
-
-
-def _gemv_block_n(n: int) -> int:
-    """Rows per program: as many as still leave about four programs per SM."""
-    for block_n in (16, 8):
-        if triton.cdiv(n, block_n) >= 4 * NUM_SMS:
-            return block_n
-    return 4
-
-
 def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, on_gpu: bool) -> torch.Tensor:
     m, k = x.shape
     n = w.weight.shape[0]
@@ -103,8 +58,8 @@ def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m <= GEMV_MAX_M:
         block_k = 512 if fmt == FMT_FP8_ROW else math.gcd(sbk, 512)
-        block_n = _gemv_block_n(n) if on_gpu else 4
-        _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+        block_n = gemv_block_n(n) if on_gpu else 4
+        row_gemv_kernel[(triton.cdiv(n, block_n),)](
             x, x.stride(0), w.weight, w.weight.stride(0), s, *s_strides, bias if bias is not None else x, out,
             out.stride(0), m, n, k, FORMAT=fmt, SBN=sbn, SBK=sbk, HAS_BIAS=bias is not None,
             M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k if on_gpu else min(block_k, 32),

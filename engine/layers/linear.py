@@ -1,13 +1,16 @@
 """Format-aware linear: y = x @ W^T + b for W in any checkpoint format.
 
 On CPU the weight is dequantized exactly (the reference path); on CUDA dense weights go to
-cuBLAS and FP8 weights to the FP8 kernel, which reads the 1-byte weights directly.
+cuBLAS (or, for one or two tokens, to the row-streaming GEMV, which reads the weight once in a
+single launch where cuBLAS splits K over two) and FP8 weights to the FP8 kernel, which reads the
+1-byte weights directly.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ...kernels import row_gemv
 from ...kernels.fp8_linear import fp8_linear
 from ..weights.formats import DenseWeight, Fp8Weight, LinearWeight
 
@@ -18,6 +21,10 @@ def linear(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -
         return fp8_linear(x, w, bias)
     if isinstance(w, DenseWeight):
         weight = w.weight if w.weight.dtype == x.dtype else w.weight.to(x.dtype)
+        rows = x.numel() // max(x.shape[-1], 1)
+        if x.is_cuda and 0 < rows <= row_gemv.DENSE_GEMV_MAX_M and weight.stride(-1) == 1:
+            out = row_gemv.dense_gemv(x.reshape(rows, x.shape[-1]), weight, bias)
+            return out.reshape(*x.shape[:-1], weight.shape[0])
     else:
         weight = w.dequantize(x.dtype)
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))

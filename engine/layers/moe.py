@@ -1,17 +1,18 @@
 """Mixture-of-experts block: router, routed experts and (GLM) the shared expert.
 
-The router's linear runs in torch; expert selection and the experts themselves go through the
-MoE kernels on CUDA and through the kernels' torch references (same signatures) elsewhere.
+The router's linear goes through layers/linear.py; expert selection and the experts themselves
+go through the MoE kernels on CUDA and through the kernels' torch references (same signatures) elsewhere.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...kernels.moe import MoeExperts, fused_moe, fused_moe_ref, gpt_oss_experts
 from ...kernels.moe_routing import route_glm, route_glm_ref, route_gpt_oss, route_gpt_oss_ref
 from ..parallel.context import SINGLE, ParallelContext
 from ..spec import ModelSpec
+from ..weights.formats import DenseWeight
+from .linear import linear
 from .mlp import GatedMLP
 
 
@@ -33,10 +34,10 @@ class MoeBlock:
         ex = f"{prefix}.experts"
         if m.router == "sigmoid_bias":
             # GLM scores experts in float32 (sigmoid of x W^T); converted once here, not every step.
-            self.router_weight = weights[f"{prefix}.gate.weight"].to(torch.float32)
+            self.router = DenseWeight(weights[f"{prefix}.gate.weight"].to(torch.float32))
             self.router_bias = weights[f"{prefix}.gate.e_score_correction_bias"]
         else:
-            self.router_weight = weights[f"{prefix}.router.weight"]
+            self.router = DenseWeight(weights[f"{prefix}.router.weight"])
             self.router_bias = weights[f"{prefix}.router.bias"]
         if m.activation == "swiglu_clamped":
             # gpt-oss keeps gate and up rows interleaved in one tensor: the experts are views of it.
@@ -58,11 +59,11 @@ class MoeBlock:
         m, on_gpu = self.moe, x.is_cuda
         if m.router == "sigmoid_bias":
             # The correction bias steers only the choice of experts, not their weights.
-            logits = F.linear(x.to(torch.float32), self.router_weight)
+            logits = linear(x.to(torch.float32), self.router)
             route = route_glm if on_gpu else route_glm_ref
             return route(logits, self.router_bias, m.top_k, m.norm_topk_prob, m.routed_scaling_factor,
                          m.n_group, m.topk_group)
-        logits = F.linear(x, self.router_weight.to(x.dtype), self.router_bias.to(x.dtype))
+        logits = linear(x, self.router, self.router_bias)
         return (route_gpt_oss if on_gpu else route_gpt_oss_ref)(logits, m.top_k)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""Row-streaming GEMV for one or two tokens: y [M, N] = x [M, K] @ W[N, K]^T (+ b).
+
+At M <= 2 a tensor-core tile is almost all padding and cuBLAS splits K over a second reduction
+kernel; streaming the weight rows once in wide slabs and reducing them with FMAs reads W at
+close to copy bandwidth in one launch. Weights: dense (any float dtype), or FP8 e4m3 with
+channel or block scales (kernels/fp8_linear.py launches those).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .moe_gemm import FMT_DENSE
+
+GEMV_MAX_M = 2  # H200, FP8: 1 token 2.4x faster than the tile kernel; at 4 the two are even, at 8 the tile wins
+DENSE_GEMV_MAX_M = 2  # dense weights: rows up to which dense_gemv replaces cuBLAS (BENCHMARKS.md)
+NUM_SMS = 132  # H200; the row split only needs to be about right
+
+
+@triton.jit
+def row_gemv_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, b_ptr, out_ptr, stride_om,
+                    M, N, K, FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each program reads BLOCK_N weight rows once, in contiguous BLOCK_K slabs, and reduces them
+    against every token's activations. FORMAT: 0 dense, 1 FP8 channel scales (applied once at
+    the end), 2 FP8 block scales (applied per K step: BLOCK_K divides the scale block)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    cols = tl.arange(0, M_PAD)
+    acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = kk < K
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        if FORMAT == 2:
+            s = tl.load(s_ptr + (n // SBN) * stride_sn + (k0 // SBK) * stride_sk, mask=n_mask, other=0.0)
+        for m in tl.static_range(M_PAD):
+            # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
+            x = tl.load(x_ptr + m * stride_xm + kk, mask=k_mask & ((kk * 0 + m) < M), other=0.0).to(tl.float32)
+            part = tl.sum(w * x[None, :], axis=1)
+            if FORMAT == 2:
+                part = part * s
+            acc = tl.where(cols[None, :] == m, acc + part[:, None], acc)
+    if FORMAT == 1:
+        acc = acc * tl.load(s_ptr + n * stride_sn, mask=n_mask, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + cols[None, :] * stride_om + n[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=(cols < M)[None, :] & n_mask[:, None])
+
+
+def gemv_block_n(n: int) -> int:
+    """Rows per program: as many as still leave about four programs per SM."""
+    for block_n in (16, 8):
+        if triton.cdiv(n, block_n) >= 4 * NUM_SMS:
+            return block_n
+    return 4
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               block_n: int | None = None, block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """x [M, K] (M <= 4), weight [N, K] contiguous along K, bias [N] or None -> [M, N] in x.dtype,
+    accumulated in float32. block_n / block_k / num_warps: tile override for benchmarks."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.stride(1) != 1 or m > 4:
+        raise ValueError(f"dense_gemv takes x [M <= 4, K] and a K-contiguous weight [N, K]; got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)} with strides {weight.stride()}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    on_gpu = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    block_n = block_n or (gemv_block_n(n) if on_gpu else 4)
+    block_k = block_k or (256 if on_gpu else 32)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    row_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, x.stride(0), weight, weight.stride(0), x, 0, 0, bias if bias is not None else x, out, out.stride(0),
+        m, n, k, FORMAT=FMT_DENSE, SBN=1, SBK=1, HAS_BIAS=bias is not None, M_PAD=triton.next_power_of_2(m),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=3 if on_gpu else 1)
+    return out
+
+
+def dense_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   block_n: int | None = None, block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    y = x.to(torch.float32) @ weight.to(torch.float32).T
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)
