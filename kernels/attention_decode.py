@@ -119,7 +119,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("q and the caches must be contiguous along head_dim")
     group = hq // hkv
     if num_splits is None:
-        num_splits = default_num_splits(bsz, hkv, block_tables.shape[1] * block_size, block_n)
+        # a windowed layer reads at most `window` keys, however long the table
+        keys = block_tables.shape[1] * block_size if window is None else min(window, block_tables.shape[1] * block_size)
+        num_splits = default_num_splits(bsz, hkv, keys, block_n)
     out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
