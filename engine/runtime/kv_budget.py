@@ -77,7 +77,13 @@ def plan_kv_blocks(spec: ModelSpec, dtype: torch.dtype, device: torch.device, bl
             return KVPlan(int(n))
         if num_sliding_blocks is None:  # a sequence never holds more sliding than full blocks
             sliding = min(sliding, n)
-        return KVPlan(int(n), max(int(sliding), 1))
+        # One chat alone must fit its window and a prefill chunk, or it would wait forever.
+        one = min(-(-(spec.sliding_window - 1 + max_batch_tokens) // block_size) + 1, n)
+        if sliding < one:
+            raise ValueError(f"{sliding} KV blocks for the sliding-window layers cannot hold one chat's window "
+                             f"and prefill chunk ({one} blocks of {block_size} tokens); give num_sliding_blocks "
+                             "at least that, a smaller max_batch_tokens, or leave num_sliding_blocks unset")
+        return KVPlan(int(n), int(sliding))
 
     if num_blocks is not None:
         return plan(num_blocks, want_sliding)

@@ -121,5 +121,9 @@ def test_sliding_layers_get_a_pool_sized_by_their_window(oss):
     # A block count asked for sizes the full group; the sliding one follows the rule, capped by it.
     assert plan_kv_blocks(spec, torch.bfloat16, cuda, bs, num_blocks=7, **kw) == KVPlan(7, 7)
     assert plan_kv_blocks(spec, torch.bfloat16, cuda, bs, num_blocks=10**6, **kw) == KVPlan(10**6, want)
-    assert plan_kv_blocks(spec, torch.bfloat16, cuda, bs, num_blocks=9, num_sliding_blocks=5, **kw) == KVPlan(9, 5)
+    assert plan_kv_blocks(spec, torch.bfloat16, cuda, bs, num_blocks=200, num_sliding_blocks=150, **kw) == \
+        KVPlan(200, 150)
+    with pytest.raises(ValueError, match="cannot hold one chat's window and prefill chunk"):  # 2048 + 7 tokens
+        plan_kv_blocks(spec, torch.bfloat16, cuda, bs, num_blocks=200, num_sliding_blocks=129, **kw)
+    assert plan_kv_blocks(spec, torch.bfloat16, cuda, bs, num_blocks=200, num_sliding_blocks=0, **kw) == KVPlan(200)
     assert plan_kv_blocks(spec, torch.bfloat16, torch.device("cpu"), bs, max_kv_tokens=100, **kw) == KVPlan(7, 7)

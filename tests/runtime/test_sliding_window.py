@@ -143,7 +143,9 @@ def test_preemption_when_the_sliding_pool_runs_short(oss):
 
 
 def test_each_group_holds_only_its_layers_and_both_are_reported(oss, glm):
-    engine = oss.engine(block_size=BS, num_blocks=40, num_sliding_blocks=12)
+    with pytest.raises(ValueError, match="at least that"):  # one chat's window and chunk need 7
+        oss.engine(block_size=BS, max_batch_tokens=16, num_sliding_blocks=6)
+    engine = oss.engine(block_size=BS, num_blocks=40, num_sliding_blocks=12, max_batch_tokens=16)
     cache = engine.cache
     assert cache.full.k.shape[:2] == (1, 40) and cache.sliding.k.shape[:2] == (1, 12 + 1)
     assert cache.layer(0)[2] and not cache.layer(1)[2]  # layer 0 slides (gpt-oss's even layers)
