@@ -311,7 +311,7 @@ def _model_card(info: ModelInfo, created: int) -> dict:
     extra = {"family": info.family, "context_length": info.context_length,
              "supports_images": info.supports_images, "placement": info.placement,
              "weights_bytes": info.weights_bytes or None, "kv_cache_bytes": info.kv_cache_bytes,
-             "kv_cache_tokens": info.kv_cache_tokens}
+             "kv_cache_tokens": info.kv_cache_tokens, "kv_window_tokens": info.kv_window_tokens}
     return {"id": info.name, "object": "model", "created": created, "owned_by": "localchat",
             "context_length": info.context_length, "family": info.family,
             "supports_images": info.supports_images,

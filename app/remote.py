@@ -208,7 +208,8 @@ def _model_info(card: dict, base_url: str) -> ModelInfo:
                      context_length=context, supports_images=bool(card.get("supports_images", True)),
                      reasoning="effort" if gpt_oss else "thinking", placement=placement,
                      weights_bytes=_count(ours.get("weights_bytes")) or 0,
-                     kv_cache_bytes=_count(ours.get("kv_cache_bytes")), kv_cache_tokens=_count(ours.get("kv_cache_tokens")))
+                     kv_cache_bytes=_count(ours.get("kv_cache_bytes")), kv_cache_tokens=_count(ours.get("kv_cache_tokens")),
+                     kv_window_tokens=_count(ours.get("kv_window_tokens")))
 
 
 def _count(value) -> int | None:

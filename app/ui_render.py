@@ -108,11 +108,13 @@ def model_markdown(info: ModelInfo) -> str:
              f"reasoning: {reasoning}"]
     if info.weights_bytes:
         lines.append(f"weights in memory: {_bytes(info.weights_bytes)}")
+    # Sliding-window layers keep only each chat's recent tokens, in a pool of their own.
+    window = f" (sliding-window layers: {info.kv_window_tokens:,} recent tokens)" if info.kv_window_tokens else ""
     if info.kv_cache_bytes:
-        holds = f", holds {info.kv_cache_tokens:,} tokens over all chats" if info.kv_cache_tokens else ""
+        holds = f", holds {info.kv_cache_tokens:,} tokens over all chats{window}" if info.kv_cache_tokens else ""
         lines.append(f"KV cache: {_bytes(info.kv_cache_bytes)}{holds}")
     elif info.kv_cache_tokens:
-        lines.append(f"KV cache: holds {info.kv_cache_tokens:,} tokens over all chats")
+        lines.append(f"KV cache: holds {info.kv_cache_tokens:,} tokens over all chats{window}")
     lines.append(f"placement: {placement}")
     return "  \n".join(lines)
 

@@ -3,6 +3,9 @@
 CUDA runs the Triton kernels (rotary fused with the cache write, paged attention); elsewhere
 their torch references (same signatures) run.
 Keys and values live in a paged cache (engine/runtime/kv_cache.py); a ForwardBatch says which slots.
+With a split cache (gpt-oss), a sliding-window layer keeps its K/V in the sliding group and reads
+that group's block tables and slots; every other layer, and every layer of a one-group cache,
+reads the full group's.
 """
 from __future__ import annotations
 
@@ -17,13 +20,16 @@ from .linear import concat_rows, linear
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
-                    scale: float, sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                    scale: float, sinks: torch.Tensor | None = None, window: int | None = None,
+                    tables: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] packed over the batch's sequences; k_cache, v_cache [blocks, block_size,
-    Hkv, D]. Each sequence's new tokens are the last ones of its context. Returns [T, Hq, D].
-    A query at position p sees keys j <= p (and p - window < j with a window); a sink adds
-    exp(sinks[h]) to head h's softmax denominator without a value."""
+    Hkv, D]; tables [B, max_blocks] (default: batch.block_tables). Each sequence's new tokens are
+    the last ones of its context. Returns [T, Hq, D]. A query at position p sees keys j <= p
+    (and p - window < j with a window); a sink adds exp(sinks[h]) to head h's softmax
+    denominator without a value."""
     on_gpu = q.is_cuda
-    tables, lens = batch.block_tables, batch.context_lens
+    tables = batch.block_tables if tables is None else tables
+    lens = batch.context_lens
     if batch.is_decode:
         decode = paged_decode_attention if on_gpu else paged_decode_attention_ref
         return decode(q, k_cache, v_cache, tables, lens, scale, sinks, window)
@@ -67,9 +73,12 @@ class SelfAttention:
         q = q.view(t, self.heads, self.head_dim)
         k = k.view(t, self.kv_heads, self.head_dim)
         v = v.view(t, self.kv_heads, self.head_dim)
-        k_cache, v_cache = cache.k[self.layer], cache.v[self.layer]
+        k_cache, v_cache, sliding = cache.layer(self.layer)
+        tables, slots = batch.block_tables, batch.slot_mapping
+        if sliding:
+            tables, slots = batch.sliding_block_tables, batch.sliding_slot_mapping
         # One pass rotates q and k and stores the new keys and values in the paged cache.
         rotary = apply_rotary if x.is_cuda else apply_rotary_ref
-        q, _ = rotary(q, k, cos, sin, v, k_cache, v_cache, batch.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, batch, self.scale, self.sinks, self.window)
+        q, _ = rotary(q, k, cos, sin, v, k_cache, v_cache, slots)
+        out = paged_attention(q, k_cache, v_cache, batch, self.scale, self.sinks, self.window, tables)
         return linear(out.reshape(t, -1), self.o, self.o_b)

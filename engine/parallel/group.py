@@ -184,7 +184,8 @@ class WorkerGroup:
         from .runner import ParallelStepRunner
 
         try:
-            self._broadcast("cache", cache.num_blocks, cache.block_size, None if graphs is None else graphs.shape)
+            self._broadcast("cache", cache.num_blocks, cache.block_size, cache.num_sliding_blocks,
+                            None if graphs is None else graphs.shape)
             self._replies(DONE)
         except BaseException:
             self.close()

@@ -1,7 +1,7 @@
 """The process of one tensor-parallel rank other than 0.
 
 It joins the process group, then serves rank 0's messages in order: load its slices, allocate
-its KV cache (and decode graphs), and run every step's forward on the inputs rank 0 sends, or
+its KV cache (both layer groups, like rank 0's) and decode graphs, and run every step's forward on the inputs rank 0 sends, or
 replay its own graph of a decode step, whose collectives meet rank 0's. Rank 0 samples; here the
 logits are only computed for the collectives they take part in. Any exception is sent to rank 0
 as text and ends the process; so does rank 0's process going away (its pipe closes, or, while
@@ -75,7 +75,7 @@ def _serve(conn, rank: int, world_size: int, device: torch.device) -> None:
     import torch.distributed as dist
 
     from ..runtime.decode_graphs import DecodeGraphs
-    from ..runtime.kv_cache import PagedKVCache
+    from ..runtime.kv_cache import build_kv_cache
     from ..runtime.step_runner import StepRunner
     from .context import ParallelContext
     from .rank import load_rank
@@ -102,8 +102,8 @@ def _serve(conn, rank: int, world_size: int, device: torch.device) -> None:
         elif kind == "capture":
             runner.capture_graphs()
         elif kind == "cache":
-            num_blocks, block_size, graph_shape = message[1:]
-            cache = PagedKVCache(spec.num_layers, num_blocks, block_size, model.kv_heads, spec.head_dim, dtype, device)
+            num_blocks, block_size, num_sliding_blocks, graph_shape = message[1:]
+            cache = build_kv_cache(spec, num_blocks, block_size, model.kv_heads, dtype, device, num_sliding_blocks)
             graphs = None if graph_shape is None else DecodeGraphs(model, cache, dtype, device, **graph_shape)
             runner = StepRunner(model, cache, device, dtype, graphs)
             send(conn, DONE)

@@ -10,6 +10,9 @@ The block table has a fixed width (the longest context in blocks) because the gr
 stride; only the columns in use are copied each step. Entries past a sequence's context length
 are never read, so stale ones may stay.
 
+With a split KV cache (kv_cache.py) the sliding group has its own static slots and table; its
+padded rows write to the group's placeholder block, which is outside its pool too.
+
 On CPU the same static-buffer path runs without capture, so tests can check that padding and
 bucketing give the same tokens as the plain path.
 """
@@ -29,13 +32,16 @@ BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 class DecodeInputs(NamedTuple):
     """One decode step of B sequences (host values): token_ids [B]; positions [B] or [3, B];
     slots [B] cache slots of the new tokens; lens [B] context lengths including them; tables:
-    each sequence's block ids."""
+    each sequence's block ids; sliding_slots, sliding_tables: the same in the sliding group of a
+    split cache (else None)."""
 
     token_ids: list[int]
     positions: torch.Tensor
     slots: list[int]
     lens: list[int]
     tables: list[list[int]]
+    sliding_slots: list[int] | None = None
+    sliding_tables: list[list[int]] | None = None
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -46,7 +52,8 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     """model: has embed(ids) and forward(h, batch, cache) and logits(h) -> [T, V] float32.
-    cache: the PagedKVCache; scratch_block: a block id of that cache outside the block pool.
+    cache: the PagedKVCache or SplitKVCache; scratch_block: a block id of its (full) group outside
+    the block pool.
     max_blocks: block-table width (the longest context in blocks). mrope: positions are [3, B]."""
 
     def __init__(self, model, cache, dtype: torch.dtype, device: torch.device, *, max_batch: int,
@@ -62,6 +69,12 @@ class DecodeGraphs:
         self.slots = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
         self.lens = torch.ones(n, dtype=torch.int32, device=device)
         self.tables = torch.full((n, max_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.sliding_slots = self.sliding_tables = None
+        if cache.sliding is not None:
+            self.sliding_scratch = cache.placeholder
+            self.sliding_slots = torch.full((n,), cache.placeholder * cache.block_size, dtype=torch.int64,
+                                            device=device)
+            self.sliding_tables = torch.full((n, max_blocks), cache.placeholder, dtype=torch.int32, device=device)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -78,8 +91,12 @@ class DecodeGraphs:
 
     def _batch(self, size: int) -> ForwardBatch:
         """The ForwardBatch of a bucket: views of the static buffers."""
+        sliding_slots = sliding = None
+        if self.sliding_tables is not None:
+            sliding_slots, sliding = self.sliding_slots[:size], self.sliding_tables[:size]
         return ForwardBatch(self.positions[..., :size], self.slots[:size], self.query_start[:size + 1],
-                            self.lens[:size], self.tables[:size], list(range(size + 1)), [1] * size)
+                            self.lens[:size], self.tables[:size], list(range(size + 1)), [1] * size,
+                            sliding_slots, sliding)
 
     def _step(self, size: int) -> torch.Tensor:
         h = self.model.embed(self.token_ids[:size]).to(self.dtype)
@@ -115,11 +132,15 @@ class DecodeGraphs:
                     on_progress(i + 1, len(self.sizes))
 
     def run(self, token_ids: list[int], positions: torch.Tensor, slots: list[int], lens: list[int],
-            tables: list[list[int]]) -> torch.Tensor:
+            tables: list[list[int]], sliding_slots: list[int] | None = None,
+            sliding_tables: list[list[int]] | None = None) -> torch.Tensor:
         """One decode step for B <= max_batch sequences: token_ids [B], positions [B] or [3, B]
         (host), slots [B] cache slots of the new tokens, lens [B] context lengths including
-        them, tables: each sequence's block ids. Returns float32 logits [B, V] (a view that the
-        next run overwrites)."""
+        them, tables: each sequence's block ids; sliding_slots, sliding_tables: the same in the
+        sliding group (a split cache only). Returns float32 logits [B, V] (a view that the next
+        run overwrites)."""
+        if (sliding_tables is None) != (self.sliding_tables is None):
+            raise ValueError("the sliding group's tables and slots come with a split KV cache, and only with one")
         b = len(token_ids)
         size = self.bucket(b)
         width = max(len(t) for t in tables)
@@ -132,10 +153,17 @@ class DecodeGraphs:
         self.lens[:b].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
         padded = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32)
         self.tables[:b, :width].copy_(padded, non_blocking=True)
+        if sliding_tables is not None:
+            self.sliding_slots[:b].copy_(torch.tensor(sliding_slots, dtype=torch.int64), non_blocking=True)
+            padded = torch.tensor([t + [t[-1]] * (width - len(t)) for t in sliding_tables], dtype=torch.int32)
+            self.sliding_tables[:b, :width].copy_(padded, non_blocking=True)
         if b < size:  # rows of the bucket that an earlier, larger step left behind
             self.slots[b:size].fill_(self.scratch_slot)
             self.lens[b:size].fill_(1)
             self.tables[b:size, 0].fill_(self.scratch_slot // self.cache.block_size)
+            if sliding_tables is not None:
+                self.sliding_slots[b:size].fill_(self.sliding_scratch * self.cache.block_size)
+                self.sliding_tables[b:size, 0].fill_(self.sliding_scratch)
         if not self.capture:
             with torch.inference_mode():
                 return self._step(size)[:b]

@@ -20,8 +20,8 @@ import torch
 from ..spec import ModelSpec
 from .block_pool import BlockPool
 from .decode_graphs import DecodeGraphs
-from .kv_budget import plan_num_blocks
-from .kv_cache import PagedKVCache
+from .kv_budget import plan_kv_blocks
+from .kv_cache import build_kv_cache
 from .prefix_cache import image_spans
 from .prompt import ChatFormatter
 from .request import ChatRequest, Final, ModelInfo, Timings
@@ -51,7 +51,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 class Engine:
     """Serving options (keyword-only): block_size tokens per KV block; num_blocks or max_kv_tokens
-    size the KV pool (default: the GPU memory left after the weights, or 16k tokens on CPU);
+    size the KV pool (default: the GPU memory left after the weights, or 16k tokens on CPU); with
+    sliding-window layers (gpt-oss) they size the full-attention layers' pool, which bounds each
+    conversation's context, and num_sliding_blocks the sliding layers' pool (default: what the
+    windows of max_running chats need, kv_budget.py; 0 keeps every layer in one pool, without
+    releasing what the windows passed);
     max_batch_tokens is the per-step token budget (prefill chunk size); max_running caps the
     sequences decoded together. cuda_graphs (default: on for CUDA, on every rank) replays decode
     steps from captured graphs; each batch-size bucket is captured on first use, or all by `warmup()`.
@@ -107,7 +111,7 @@ class Engine:
 
     def _setup(self, spec, model, formatter, device, dtype, name, max_context, weights_bytes, *,
                block_size: int = 16, num_blocks: int | None = None, max_kv_tokens: int | None = None,
-               max_batch_tokens: int | None = None, max_running: int = 64,
+               num_sliding_blocks: int | None = None, max_batch_tokens: int | None = None, max_running: int = 64,
                kv_headroom_bytes: int | None = None, cuda_graphs: bool | None = None) -> None:
         self.spec, self.model, self.formatter = spec, model, formatter
         self.device, self.dtype, self.name = device, dtype, name
@@ -116,16 +120,21 @@ class Engine:
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens or (2048 if device.type == "cuda" else 512)
         kv_heads = getattr(model, "kv_heads", spec.num_kv_heads)  # this rank's share under tensor parallelism
-        n = plan_num_blocks(spec, dtype, device, block_size, max_context=self.max_context,
-                            max_batch_tokens=self.max_batch_tokens, max_running=max_running,
-                            num_blocks=num_blocks, max_kv_tokens=max_kv_tokens, headroom_bytes=kv_headroom_bytes,
-                            kv_heads=kv_heads, mem_info=self.workers.mem_info if self.workers else None)
+        plan = plan_kv_blocks(spec, dtype, device, block_size, max_context=self.max_context,
+                              max_batch_tokens=self.max_batch_tokens, max_running=max_running,
+                              num_blocks=num_blocks, max_kv_tokens=max_kv_tokens,
+                              num_sliding_blocks=num_sliding_blocks, headroom_bytes=kv_headroom_bytes,
+                              kv_heads=kv_heads, mem_info=self.workers.mem_info if self.workers else None)
+        n = plan.num_blocks
         use_graphs = cuda_graphs if cuda_graphs is not None else device.type == "cuda"
-        # With graphs, one block beyond the pool: the scratch block that padded rows write to.
-        self.cache = PagedKVCache(spec.num_layers, n + int(use_graphs), block_size, kv_heads, spec.head_dim, dtype,
-                                  device)
+        # With graphs, one block beyond the pool: the scratch block that padded rows write to (the
+        # sliding group always has one: its placeholder, see kv_cache.py).
+        self.cache = build_kv_cache(spec, n + int(use_graphs), block_size, kv_heads, dtype, device,
+                                    plan.num_sliding_blocks)
         self.pool = BlockPool(n)
-        self.scheduler = Scheduler(self.pool, block_size, self.max_batch_tokens, max_running)
+        self.sliding_pool = BlockPool(plan.num_sliding_blocks) if plan.num_sliding_blocks else None
+        self.scheduler = Scheduler(self.pool, block_size, self.max_batch_tokens, max_running, self.sliding_pool,
+                                   spec.sliding_window if self.sliding_pool is not None else None)
         graphs = None
         if use_graphs:
             graphs = DecodeGraphs(model, self.cache, dtype, device, max_batch=max_running,
@@ -135,8 +144,9 @@ class Engine:
             self.runner = self.workers.step_runner(model, self.cache, device, dtype, graphs)
         else:
             self.runner = StepRunner(model, self.cache, device, dtype, graphs)
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", n, block_size,
-                 self.cache.k.numel() * self.cache.k.element_size() * 2 / 2**30)
+        log.info("KV cache: %d blocks of %d tokens%s (%.2f GiB)", n, block_size,
+                 f", {plan.num_sliding_blocks} for the sliding-window layers" if self.sliding_pool else "",
+                 self.cache.nbytes / 2**30)
         self._ids = itertools.count()
         self._format_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()  # Sequence, a callable for the engine thread, or None
@@ -154,13 +164,14 @@ class Engine:
     def info(self) -> ModelInfo:
         # Every tensor-parallel rank allocates a cache shaped like rank 0's (its share of the KV heads).
         ranks = self.workers.world_size if self.workers else 1
-        kv_bytes = sum(t.numel() * t.element_size() for t in (self.cache.k, self.cache.v)) * ranks
+        kv_bytes = self.cache.nbytes * ranks
         return ModelInfo(
             name=self.name, family=self.spec.family, context_length=self.context_limit,
             supports_images=self.spec.vision is not None,
             reasoning="thinking" if self.spec.family == "glm4v_moe" else "effort",
             placement=self.workers.placement if self.workers else str(self.device), weights_bytes=self.weights_bytes,
-            kv_cache_bytes=kv_bytes, kv_cache_tokens=self.pool.num_blocks * self.block_size)
+            kv_cache_bytes=kv_bytes, kv_cache_tokens=self.pool.num_blocks * self.block_size,
+            kv_window_tokens=self.sliding_pool.num_blocks * self.block_size if self.sliding_pool else None)
 
     def submit(self, request: ChatRequest) -> EngineStream:
         """Queues a request; returns its stream at once. Refusals arrive as a Final("error")."""
@@ -190,7 +201,7 @@ class Engine:
 
         def work() -> None:  # runs on the engine thread, which owns the GPU work
             try:
-                self.runner.warm_prefill(self.pool, sizes)
+                self.runner.warm_prefill(self.pool, sizes, self.sliding_pool)
                 self.runner.capture_graphs()
             except Exception as e:
                 failure.append(e)
@@ -205,12 +216,17 @@ class Engine:
         return time.perf_counter() - start
 
     def counters(self) -> dict[str, int]:
-        """Running totals for tests and benchmarks."""
+        """Running totals for tests and benchmarks. The sliding_* figures are the sliding-window
+        layers' pool (all 0 without one)."""
         c = self.runner.counters
+        sliding = self.sliding_pool
         return {"steps": c.steps, "graph_steps": c.graph_steps, "computed_tokens": c.computed_tokens, "images_encoded": c.images_encoded,
                 "images_skipped": c.images_skipped, "preemptions": self.scheduler.preemptions,
                 "prefix_hit_tokens": self.scheduler.prefix_hit_tokens, "evictions": self.pool.evictions,
-                "free_blocks": self.pool.num_free, "num_blocks": self.pool.num_blocks}
+                "free_blocks": self.pool.num_free, "num_blocks": self.pool.num_blocks,
+                "sliding_free_blocks": sliding.num_free if sliding else 0,
+                "sliding_num_blocks": sliding.num_blocks if sliding else 0,
+                "sliding_evictions": sliding.evictions if sliding else 0}
 
     def decode_step_times(self) -> dict[int, tuple[int, float]]:
         """Batch size -> (decode steps replayed from a graph, their total seconds including

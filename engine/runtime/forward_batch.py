@@ -3,6 +3,9 @@
 Tokens of all sequences are packed along one axis [T]; per-sequence tensors are indexed by
 sequence [B]. The same record serves prefill chunks (several tokens a sequence) and decode
 (one token a sequence).
+
+With a split KV cache (kv_cache.py) the sliding-window layers have their own block tables and
+slots, of the same shapes; position arithmetic is the same in both groups.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ class ForwardBatch:
     block_tables:   [B, max_blocks] int32 block ids of each sequence, padded with 0.
     query_start_host, context_lens_host: the same as Python lists, for the torch reference path
         and for host-side planning (never read inside captured graphs).
+    sliding_slot_mapping [T], sliding_block_tables [B, max_blocks]: the sliding group's slots and
+        tables (None with a one-group cache).
     """
 
     rope_positions: torch.Tensor
@@ -30,6 +35,8 @@ class ForwardBatch:
     block_tables: torch.Tensor
     query_start_host: list[int]
     context_lens_host: list[int]
+    sliding_slot_mapping: torch.Tensor | None = None
+    sliding_block_tables: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -41,17 +48,33 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, seqs: list[tuple[list[int], int, int]], rope_positions: torch.Tensor, block_size: int,
-              device: torch.device | str) -> "ForwardBatch":
-        """seqs: (block_table, tokens already cached, new tokens) per sequence."""
-        slots, starts, lens = [], [0], []
-        for table, cached, new in seqs:
-            for p in range(cached, cached + new):
-                slots.append(table[p // block_size] * block_size + p % block_size)
+              device: torch.device | str, sliding_tables: list[list[int]] | None = None) -> "ForwardBatch":
+        """seqs: (block_table, tokens already cached, new tokens) per sequence; sliding_tables:
+        each sequence's sliding-group table (same length as its block table), or None."""
+        starts, lens = [0], []
+        for _, cached, new in seqs:
             starts.append(starts[-1] + new)
             lens.append(cached + new)
-        width = max(len(t) for t, _, _ in seqs)
-        tables = [t + [0] * (width - len(t)) for t, _, _ in seqs]
+        spans = [(cached, new) for _, cached, new in seqs]
         # int32 is what the attention kernels read; slots stay int64 for index_copy_.
         as_int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-        return cls(rope_positions.to(device), torch.tensor(slots, dtype=torch.int64, device=device),
-                   as_int32(starts), as_int32(lens), as_int32(tables), starts, lens)
+        slots, tables = _slots_and_tables([t for t, _, _ in seqs], spans, block_size, device)
+        sliding_slots = sliding = None
+        if sliding_tables is not None:
+            sliding_slots, sliding = _slots_and_tables(sliding_tables, spans, block_size, device)
+        return cls(rope_positions.to(device), slots, as_int32(starts), as_int32(lens), tables, starts, lens,
+                   sliding_slots, sliding)
+
+
+def _slots_and_tables(tables: list[list[int]], spans: list[tuple[int, int]], block_size: int,
+                      device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots [T] int64 of tokens [cached, cached + new) of each sequence, and the tables padded
+    with 0 (entries past a context are never read) as [B, max_blocks] int32."""
+    slots = []
+    for table, (cached, new) in zip(tables, spans):
+        for p in range(cached, cached + new):
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return (torch.tensor(slots, dtype=torch.int64, device=device),
+            torch.tensor(padded, dtype=torch.int32, device=device))

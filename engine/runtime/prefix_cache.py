@@ -7,6 +7,12 @@ the block's end, which is what the block's K/V depend on. Image tokens all share
 image's content hash is what tells two pictures apart; the rotary positions of a prefix (M-RoPE
 for GLM) are a function of the prefix's tokens and image grids alone, so equal keys also mean
 equal positions.
+
+With a split KV cache (kv_cache.py) the sliding group's blocks are registered in its own pool
+under the same keys as the full blocks of the same tokens, so a sliding block that left a
+sequence's window is remembered (the sliding pool's cached list) rather than lost. A prefix of
+L blocks is then only usable when the sliding pool also still holds the blocks the first
+recomputed token (at L * block_size) can see; otherwise L shrinks until it does (or to 0).
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from array import array
 from dataclasses import dataclass
 
 from .block_pool import BlockPool
+from .kv_cache import first_window_block
 from .prompt import Prompt
 
 
@@ -82,3 +89,28 @@ def match_prefix(pool: BlockPool, keys: list[bytes]) -> list[int]:
         pool.take_cached(b)
         blocks.append(b)
     return blocks
+
+
+def match_windowed_prefix(pool: BlockPool, sliding: BlockPool, keys: list[bytes], block_size: int, window: int,
+                          placeholder: int) -> tuple[list[int], list[int], int]:
+    """The longest run of leading blocks usable with a sliding group: the full pool holds blocks
+    0..L-1 and the sliding pool the blocks from first_window_block(L * block_size) to L - 1.
+    Takes a reference to each block used. Returns (full blocks, sliding table with `placeholder`
+    before the window, number of placeholder entries)."""
+    found = 0
+    while found < len(keys) and pool.lookup(keys[found]) is not None:
+        found += 1
+    held = [sliding.lookup(k) is not None for k in keys[:found]]
+    usable, first = 0, 0
+    for n in range(found, 0, -1):
+        start = first_window_block(n * block_size, window, block_size)
+        if all(held[start:n]):
+            usable, first = n, start
+            break
+    blocks = [pool.lookup(k) for k in keys[:usable]]
+    windowed = [sliding.lookup(k) for k in keys[first:usable]]
+    for b in blocks:
+        pool.take_cached(b)
+    for b in windowed:
+        sliding.take_cached(b)
+    return blocks, [placeholder] * first + windowed, first

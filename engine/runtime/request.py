@@ -131,7 +131,9 @@ class ModelInfo:
     """placement: where the model runs (devices; with tensor parallelism every rank's device).
     weights_bytes: the weights held over all devices (0: unknown). kv_cache_bytes: the paged KV
     cache allocated over all devices; kv_cache_tokens: how many tokens its pool holds, shared by
-    all running conversations (None: unknown, e.g. behind a remote backend)."""
+    all running conversations (None: unknown, e.g. behind a remote backend); kv_window_tokens:
+    with sliding-window layers (gpt-oss), how many tokens their separate pool holds (it keeps
+    only each conversation's recent tokens; None: no such layers, or unknown)."""
 
     name: str
     family: str
@@ -142,6 +144,7 @@ class ModelInfo:
     weights_bytes: int = 0
     kv_cache_bytes: int | None = None
     kv_cache_tokens: int | None = None
+    kv_window_tokens: int | None = None
 
 
 class ChatEngine(Protocol):

@@ -7,6 +7,13 @@ once their first chunk fits; on admission their prompt is matched against the pr
 When a running sequence needs a block and none is free, the newest request (by arrival) is
 preempted: its blocks go back to the pool and it waits at the head of the queue to be
 recomputed (its generated tokens are kept, so its output continues exactly where it stopped).
+
+Sliding-window layers (a split KV cache, kv_cache.py) draw blocks from their own pool: a step
+gives a sequence the same new entries in both tables, and must find them free in both pools. At
+commit, every sliding block wholly before the window of the next token (position num_computed:
+it sees keys num_computed - window < j) goes back to the sliding pool and its entry becomes the
+placeholder block, so a sequence holds at most the blocks spanning [start - window + 1, start +
+chunk) of its current chunk: ceil((window - 1 + chunk) / block_size) + 1, whatever its context.
 """
 from __future__ import annotations
 
@@ -14,18 +21,29 @@ import time
 from collections import deque
 
 from .block_pool import BlockPool
-from .prefix_cache import match_prefix
+from .kv_cache import first_window_block
+from .prefix_cache import match_prefix, match_windowed_prefix
 from .sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, block_size: int, max_batch_tokens: int, max_running: int):
+    """sliding_pool, window: the sliding group's pool and the window in tokens (None without a
+    sliding group); its placeholder block id is sliding_pool.num_blocks (kv_cache.py)."""
+
+    def __init__(self, pool: BlockPool, block_size: int, max_batch_tokens: int, max_running: int,
+                 sliding_pool: BlockPool | None = None, window: int | None = None):
+        if (sliding_pool is None) != (window is None):
+            raise ValueError("a sliding pool needs its window, and a window its pool")
         self.pool = pool
+        self.sliding_pool = sliding_pool
+        self.window = window
+        self.placeholder = sliding_pool.num_blocks if sliding_pool is not None else None
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         # Admission keeps a few blocks spare so running decodes do not preempt at once.
         self.watermark = max(1, pool.num_blocks // 100)
+        self.sliding_watermark = max(1, sliding_pool.num_blocks // 100) if sliding_pool is not None else 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -48,13 +66,35 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.blocks)
+        if self.sliding_pool is not None:
+            self.sliding_pool.free(seq.sliding_blocks[seq.sliding_start:])
         seq.reset_computed()
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        """New table entries (in each group) for feeding n more tokens."""
         return max(-(-(seq.num_computed + n) // self.block_size) - len(seq.blocks), 0)
 
+    def _fits(self, seq: Sequence, n: int, spare: int = 0, sliding_spare: int = 0) -> bool:
+        need = self._blocks_needed(seq, n)
+        if need + spare > self.pool.num_free:
+            return False
+        return self.sliding_pool is None or need + sliding_spare <= self.sliding_pool.num_free
+
     def _grow(self, seq: Sequence, n: int) -> None:
-        seq.blocks += self.pool.allocate(self._blocks_needed(seq, n))
+        need = self._blocks_needed(seq, n)
+        seq.blocks += self.pool.allocate(need)
+        if self.sliding_pool is not None:
+            seq.sliding_blocks += self.sliding_pool.allocate(need)
+
+    def _slide(self, seq: Sequence) -> None:
+        """Releases the sliding blocks the next token's window no longer reaches."""
+        end = first_window_block(seq.num_computed, self.window, self.block_size)
+        if end <= seq.sliding_start:
+            return
+        gone = seq.sliding_blocks[seq.sliding_start:end]
+        self.sliding_pool.free(gone[::-1])  # oldest first into the cached list: evicted first
+        seq.sliding_blocks[seq.sliding_start:end] = [self.placeholder] * len(gone)
+        seq.sliding_start = end
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -67,7 +107,12 @@ class Scheduler:
         """Takes the cached blocks that hold the start of seq's tokens. The last token is always
         left to compute: its logits give the next token."""
         full = (len(seq.tokens) - 1) // self.block_size
-        seq.blocks = match_prefix(self.pool, seq.keys.extend(seq.tokens, full))
+        keys = seq.keys.extend(seq.tokens, full)
+        if self.sliding_pool is None:
+            seq.blocks = match_prefix(self.pool, keys)
+        else:
+            seq.blocks, seq.sliding_blocks, seq.sliding_start = match_windowed_prefix(
+                self.pool, self.sliding_pool, keys, self.block_size, self.window, self.placeholder)
         seq.num_computed = len(seq.blocks) * self.block_size
         seq.num_registered = len(seq.blocks)
 
@@ -83,7 +128,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this pass
             n = min(seq.num_pending, budget)
-            while self._blocks_needed(seq, n) > self.pool.num_free:
+            while not self._fits(seq, n):
                 victim = max(self.running, key=lambda s: s.seq_id)
                 budget += plan.pop(victim, 0)
                 self._preempt(victim)
@@ -100,7 +145,8 @@ class Scheduler:
             self._match_prefix(seq)
             n = min(seq.num_pending, budget)
             spare = self.watermark if self.running else 0
-            if self._blocks_needed(seq, n) + spare > self.pool.num_free:
+            sliding_spare = self.sliding_watermark if self.running else 0
+            if not self._fits(seq, n, spare, sliding_spare):
                 self._release(seq)
                 break
             self.waiting.popleft()
@@ -116,7 +162,8 @@ class Scheduler:
         return list(plan.items())
 
     def commit(self, plan: list[tuple[Sequence, int]]) -> None:
-        """After the step ran: the fed tokens are cached; newly full blocks join the prefix cache."""
+        """After the step ran: the fed tokens are cached; newly full blocks join the prefix cache
+        (in both groups, under the same keys); sliding blocks that left the window are released."""
         for seq, n in plan:
             seq.num_computed += n
             full = seq.num_computed // self.block_size
@@ -124,4 +171,8 @@ class Scheduler:
                 keys = seq.keys.extend(seq.tokens, full)
                 for i in range(seq.num_registered, full):
                     self.pool.register(seq.blocks[i], keys[i])
+                    if self.sliding_pool is not None and i >= seq.sliding_start:
+                        self.sliding_pool.register(seq.sliding_blocks[i], keys[i])
                 seq.num_registered = full
+            if self.sliding_pool is not None:
+                self._slide(seq)

@@ -5,6 +5,9 @@ stream its text goes to.
 cache; the next step feeds tokens[num_computed:] (a prefill chunk, or the one newest token when
 decoding), and once the last token is fed its logits give the next token. Preemption drops the
 blocks and sets num_computed to 0; the same rule then recomputes prompt and generated tokens.
+
+With a split KV cache (kv_cache.py) `sliding_blocks` is the sliding group's table, as long as
+`blocks`; its first `sliding_start` entries have left the window and hold the placeholder block.
 """
 from __future__ import annotations
 
@@ -96,6 +99,8 @@ class Sequence:
         self.keys = BlockKeys(block_size, spans)
         self.status = Status.WAITING
         self.blocks: list[int] = []
+        self.sliding_blocks: list[int] = []
+        self.sliding_start = 0  # leading sliding entries released (the placeholder block)
         self.num_computed = 0
         self.num_registered = 0  # leading blocks already offered to the prefix cache
         self.features: torch.Tensor | None = None  # vision features of the images still to prefill
@@ -119,6 +124,7 @@ class Sequence:
     def reset_computed(self) -> None:
         """After preemption: nothing is cached any more, images must be planned again."""
         self.blocks, self.num_computed, self.num_registered = [], 0, 0
+        self.sliding_blocks, self.sliding_start = [], 0
         self.features, self.feature_base, self.vision_planned = None, {}, False
 
     # ---- model inputs ---------------------------------------------------------------------

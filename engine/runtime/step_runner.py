@@ -5,6 +5,8 @@ Steps that only decode (one token per sequence, no image features) replay a capt
 when `graphs` is given (decode_graphs.py); the others run eagerly. Images are encoded here, once
 per admission, right before the first chunk that needs them; images whose tokens all lie in
 reused prefix blocks are not encoded at all.
+
+With a split KV cache (kv_cache.py) every step also carries each sequence's sliding-group table.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 
 from .decode_graphs import DecodeGraphs, DecodeInputs
 from .forward_batch import ForwardBatch
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache, SplitKVCache
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -43,10 +45,11 @@ def _sync(device: torch.device) -> None:
 
 
 class StepRunner:
-    def __init__(self, model, cache: PagedKVCache, device: torch.device, dtype: torch.dtype,
+    def __init__(self, model, cache: PagedKVCache | SplitKVCache, device: torch.device, dtype: torch.dtype,
                  graphs: DecodeGraphs | None = None):
         self.model = model
         self.cache = cache
+        self.split = cache.sliding is not None
         self.device = device
         self.dtype = dtype
         self.graphs = graphs
@@ -93,10 +96,14 @@ class StepRunner:
         seqs = [seq for seq, _ in plan]
         pos = [seq.num_computed for seq in seqs]
         positions = torch.tensor([seq.position_at(p) for seq, p in zip(seqs, pos)])  # [B] or [B, 3]
+        sliding_slots = sliding_tables = None
+        if self.split:
+            sliding_slots = [seq.sliding_blocks[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)]
+            sliding_tables = [seq.sliding_blocks for seq in seqs]
         return DecodeInputs([seq.tokens[p] for seq, p in zip(seqs, pos)],
                             positions.T.contiguous() if positions.dim() == 2 else positions,
                             [seq.blocks[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)],
-                            [p + 1 for p in pos], [seq.blocks for seq in seqs])
+                            [p + 1 for p in pos], [seq.blocks for seq in seqs], sliding_slots, sliding_tables)
 
     def _run_graph(self, plan: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         logits = self.graphs.run(*self.graph_inputs(plan))
@@ -112,25 +119,30 @@ class StepRunner:
         """Runs prepared step inputs (under tensor parallelism, on every rank)."""
         return self.execute(inputs)
 
-    def warm_prefill(self, pool, sizes: list[int]) -> list[int]:
+    def warm_prefill(self, pool, sizes: list[int], sliding_pool=None) -> list[int]:
         """Runs one prefill of each token count in `sizes` through the model, in blocks borrowed
-        from `pool` and given back, so the kernels those prompt chunks use are compiled before the
-        first chat. Returns the sizes that ran (those whose blocks were free)."""
+        from `pool` (and `sliding_pool` with a split cache) and given back, so the kernels those
+        prompt chunks use are compiled before the first chat. Returns the sizes that ran (those
+        whose blocks were free)."""
         done = []
         bs = self.cache.block_size
+        pools = [pool] + ([sliding_pool] if self.split else [])
         for t in sizes:
-            if -(-t // bs) > pool.num_free:
+            n = -(-t // bs)
+            if any(n > p.num_free for p in pools):
                 continue
-            blocks = pool.allocate(-(-t // bs))
+            tables = [p.allocate(n) for p in pools]
             try:
                 positions = torch.arange(t)
                 if self.model.spec.family == "glm4v_moe":
                     positions = positions.expand(3, -1)
                 vocab = self.model.spec.vocab_size
                 ids = [(1000 + i) % vocab for i in range(t)]
-                self.forward(StepInputs(ids, [(blocks, 0, t)], positions, None, [t - 1]))
+                sliding = tables[1:] or None
+                self.forward(StepInputs(ids, [(tables[0], 0, t)], positions, None, [t - 1], sliding))
             finally:
-                pool.free(blocks)
+                for p, blocks in zip(pools, tables):
+                    p.free(blocks)
             done.append(t)
         return done
 
@@ -157,6 +169,7 @@ class StepRunner:
         """The host-side half of a step: encodes the images it needs, gathers the model inputs."""
         ids: list[int] = []
         positions, features, entries, last_rows, sampling = [], [], [], [], []
+        sliding = [] if self.split else None
         for seq, n in plan:
             lo, hi = seq.num_computed, seq.num_computed + n
             if seq.spans and not seq.vision_planned:
@@ -170,19 +183,22 @@ class StepRunner:
                 if hi >= seq.spans[-1].end:
                     seq.features = None  # every image token is in the cache now
             entries.append((seq.blocks, lo, n))
+            if sliding is not None:
+                sliding.append(seq.sliding_blocks)
             if hi == len(seq.tokens):
                 last_rows.append(len(ids) - 1)
                 sampling.append(seq)
         self.counters.steps += 1
         self.counters.computed_tokens += len(ids)
         inputs = StepInputs(ids, entries, torch.cat(positions, dim=-1), torch.cat(features) if features else None,
-                            last_rows)
+                            last_rows, sliding)
         return inputs, sampling
 
     def execute(self, inputs: "StepInputs") -> torch.Tensor | None:
         """The device half: embed, forward over the paged cache, logits of `last_rows`."""
         token_ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=self.device)
-        batch = ForwardBatch.build(inputs.entries, inputs.positions, self.cache.block_size, self.device)
+        batch = ForwardBatch.build(inputs.entries, inputs.positions, self.cache.block_size, self.device,
+                                   inputs.sliding_tables)
         with torch.inference_mode():
             if self.vision:
                 h = self.model.embed(token_ids, inputs.features)
@@ -205,7 +221,8 @@ class StepInputs:
     token_ids: [T] ids of the new tokens, all sequences packed; entries: (block table, tokens
     already cached, new tokens) per sequence; positions: [T] or [3, T] rotary positions (CPU);
     features: [n_image_tokens, hidden] features of the image tokens among them, or None;
-    last_rows: rows of the packed axis whose logits are wanted.
+    last_rows: rows of the packed axis whose logits are wanted; sliding_tables: each sequence's
+    sliding-group table with a split KV cache, else None.
     """
 
     token_ids: list[int]
@@ -213,3 +230,4 @@ class StepInputs:
     positions: torch.Tensor
     features: torch.Tensor | None
     last_rows: list[int]
+    sliding_tables: list[list[int]] | None = None

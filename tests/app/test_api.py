@@ -30,7 +30,7 @@ def test_models_and_plain_completion(api):
     # localchat's own facts sit under one extra key; what the engine does not know is left out.
     extra = models[0].model_extra["localchat"]
     assert extra["weights_bytes"] == 123_000_000 and extra["placement"] == "cpu (fake)"
-    assert "kv_cache_bytes" not in extra and "kv_cache_tokens" not in extra
+    assert "kv_cache_bytes" not in extra and "kv_cache_tokens" not in extra and "kv_window_tokens" not in extra
     r = client.chat.completions.create(
         model="fake-glm", messages=[{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"}],
         temperature=0.3, top_p=0.9, max_tokens=50, stop=["zzz"], seed=7)
@@ -227,3 +227,13 @@ def test_prompt_over_the_context_is_a_400_before_any_stream(demo_api):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="demo", messages=long, stream=stream, max_tokens=8)
         assert e.value.code == "context_length_exceeded" and "8192" in e.value.message
+
+
+def test_model_card_carries_the_sliding_window_pool():
+    from localchat.app.api import _model_card
+    from localchat.engine.runtime.request import ModelInfo
+
+    info = ModelInfo("gpt-oss-20b", "gpt_oss", 131072, False, "effort", "cuda:0", 13_000_000_000,
+                     kv_cache_bytes=25_165_824, kv_cache_tokens=16384, kv_window_tokens=2048)
+    extra = _model_card(info, 0)["localchat"]
+    assert (extra["kv_cache_tokens"], extra["kv_window_tokens"]) == (16384, 2048)

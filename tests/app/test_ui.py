@@ -188,7 +188,10 @@ def test_model_panel_shows_the_engines_placement_and_memory():
     one = model_markdown(ModelInfo("demo", "glm4v_moe", 8192, True, "thinking", "cpu", 1_556_672,
                                    kv_cache_bytes=25_165_824, kv_cache_tokens=16384))
     assert "placement: cpu" in one and "1.6 MB" in one and "8,192 tokens" in one
-    assert "KV cache: 25.2 MB, holds 16,384 tokens" in one
+    assert "KV cache: 25.2 MB, holds 16,384 tokens" in one and "sliding" not in one
+    oss = model_markdown(ModelInfo("gpt-oss-20b", "gpt_oss", 131072, False, "effort", "cuda:0", 13_000_000_000,
+                                   kv_cache_bytes=25_165_824, kv_cache_tokens=16384, kv_window_tokens=2048))
+    assert "holds 16,384 tokens over all chats (sliding-window layers: 2,048 recent tokens)" in oss
     split = model_markdown(ModelInfo("glm-4.5v-fp8", "glm4v_moe", 65536, True, "thinking",
                                      "cuda:0 layers 0-22; cuda:1 layers 23-45", 108_000_000_000))
     assert "\n- cuda:0 layers 0-22\n- cuda:1 layers 23-45" in split and "108.0 GB" in split

@@ -97,7 +97,10 @@ def test_tp2_decode_graph_path_answers_like_tp1(name, ep):
     two = engine(name, tp=2, ep=ep, cuda_graphs=True, max_running=4)
     try:
         assert two.warmup() == 0.0  # nothing to compile or capture on the CPU
-        assert two.runner.warm_prefill(two.pool, [12]) == [12]  # a prefill every rank runs
+        assert two.runner.warm_prefill(two.pool, [12], two.sliding_pool) == [12]  # a prefill every rank runs
+        assert two.pool.num_free == two.pool.num_blocks
+        if name.startswith("gpt-oss"):  # its sliding layers (window 8) have a pool of their own
+            assert two.sliding_pool.num_free == two.sliding_pool.num_blocks
         got = answers(two, requests)
         graph_steps = two.counters()["graph_steps"]
     finally:

@@ -1,8 +1,11 @@
+import dataclasses
+
 import pytest
 import torch
 
 from localchat.engine.runtime.block_pool import BlockPool, OutOfBlocks
-from localchat.engine.runtime.kv_budget import KVMemoryError, activation_headroom, plan_num_blocks
+from localchat.engine.runtime.kv_budget import (KVMemoryError, KVPlan, activation_headroom, plan_kv_blocks,
+                                                plan_num_blocks, sliding_blocks_in_use)
 from localchat.engine.runtime.kv_cache import PagedKVCache
 from localchat.engine.runtime.prefix_cache import BlockKeys, ImageSpan, image_spans, match_prefix
 from localchat.engine.runtime.prompt import Prompt
@@ -82,7 +85,7 @@ def test_image_spans_follow_the_grid():
 
 
 def test_pool_size_from_free_gpu_memory(oss):
-    spec, gib = oss.spec, 1 << 30
+    spec, gib = dataclasses.replace(oss.spec, sliding_window=None), 1 << 30  # one layer group
     per_block = PagedKVCache.bytes_per_block(spec.num_layers, 16, spec.num_kv_heads, spec.head_dim, torch.bfloat16)
     kw = dict(max_context=512, max_batch_tokens=2048, max_running=1000)
     cuda = torch.device("cuda")
@@ -96,3 +99,31 @@ def test_pool_size_from_free_gpu_memory(oss):
     assert plan_num_blocks(spec, torch.bfloat16, torch.device("cpu"), 16, **kw) == 1024 // 16
     with pytest.raises(KVMemoryError, match="GiB of GPU memory is free"):
         plan_num_blocks(spec, torch.bfloat16, cuda, 16, mem_info=(gib, 80 * gib), **kw)
+
+
+def test_sliding_layers_get_a_pool_sized_by_their_window(oss):
+    spec, gib, bs = oss.spec, 1 << 30, 16  # 2 layers: one sliding (window 8), one full
+    half = PagedKVCache.bytes_per_block(1, bs, spec.num_kv_heads, spec.head_dim, torch.bfloat16)
+    kw = dict(max_context=512, max_batch_tokens=2048, max_running=1000)
+    cuda = torch.device("cuda")
+    # Per running chat: the window's blocks plus the chunk's ends, and once more for the prefix cache.
+    in_use = sliding_blocks_in_use(8, bs, 1000, 2048)
+    assert in_use == 1000 * (1 + 2) + 2048 // bs
+    want = in_use + 1000 * (1 + 1)
+    headroom = activation_headroom(spec, 2048, 1000, 16 * gib)
+    free = headroom + 10_000 * half + want * half + half // 2
+    # A full block now holds only the full layer, so the budget buys twice the context it used to.
+    assert plan_kv_blocks(spec, torch.bfloat16, cuda, bs, mem_info=(free, 16 * gib), **kw) == KVPlan(10_000, want)
+    assert plan_num_blocks(spec, torch.bfloat16, cuda, bs, mem_info=(free, 16 * gib), **kw) == 10_000
+    # A small budget is shared: never more sliding blocks than full ones.
+    small = headroom + 600 * half
+    assert plan_kv_blocks(spec, torch.bfloat16, cuda, bs, mem_info=(small, 16 * gib), **kw) == KVPlan(300, 300)
+    # A block count asked for sizes the full group; the sliding one follows the rule, capped by it.
+    assert plan_kv_blocks(spec, torch.bfloat16, cuda, bs, num_blocks=7, **kw) == KVPlan(7, 7)
+    assert plan_kv_blocks(spec, torch.bfloat16, cuda, bs, num_blocks=10**6, **kw) == KVPlan(10**6, want)
+    assert plan_kv_blocks(spec, torch.bfloat16, cuda, bs, num_blocks=200, num_sliding_blocks=150, **kw) == \
+        KVPlan(200, 150)
+    with pytest.raises(ValueError, match="cannot hold one chat's window and prefill chunk"):  # 2048 + 7 tokens
+        plan_kv_blocks(spec, torch.bfloat16, cuda, bs, num_blocks=200, num_sliding_blocks=129, **kw)
+    assert plan_kv_blocks(spec, torch.bfloat16, cuda, bs, num_blocks=200, num_sliding_blocks=0, **kw) == KVPlan(200)
+    assert plan_kv_blocks(spec, torch.bfloat16, torch.device("cpu"), bs, max_kv_tokens=100, **kw) == KVPlan(7, 7)

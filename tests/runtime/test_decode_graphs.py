@@ -29,8 +29,11 @@ def test_padded_static_decode_gives_the_plain_tokens(oss):
     c = graphs.counters()
     assert c["graph_steps"] > 0 and c["graph_steps"] < c["steps"]  # prefill steps stay eager
     assert _wait_until_idle(graphs)
-    # The scratch block lies outside the pool: no sequence was ever given it.
-    assert graphs.cache.k.shape[1] == graphs.pool.num_blocks + 1
+    # The scratch blocks lie outside the pools: no sequence was ever given one. The sliding
+    # group's is its placeholder block.
+    assert graphs.cache.full.k.shape[1] == graphs.pool.num_blocks + 1
+    assert graphs.cache.sliding.k.shape[1] == graphs.sliding_pool.num_blocks + 1 == graphs.cache.placeholder + 1
+    assert graphs.counters()["sliding_evictions"] + graphs.sliding_pool.num_cached > 0  # windows slid
     plain.shutdown()
     graphs.shutdown()  # joins the engine thread: its last step is counted
     times = graphs.decode_step_times()

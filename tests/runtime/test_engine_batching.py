@@ -9,12 +9,20 @@ QUESTIONS = ["Hello there, how are you today?", "Tell me a story about dragons a
              "What is 2+2?", "Hello there, how are you today?", "Name three colours of the sky at dusk."]
 
 
+def _idle(engine) -> bool:
+    """Every block of both layer groups is back in its pool."""
+    c = engine.counters()
+    return c["free_blocks"] == c["num_blocks"] and c["sliding_free_blocks"] == c["sliding_num_blocks"]
+
+
 def _wait_until_idle(engine, timeout=10.0):
     deadline = time.time() + timeout
-    while engine.counters()["free_blocks"] != engine.pool.num_blocks and time.time() < deadline:
+    while not _idle(engine) and time.time() < deadline:
         time.sleep(0.01)
     engine.pool.check()
-    return engine.counters()["free_blocks"] == engine.pool.num_blocks
+    if engine.sliding_pool is not None:
+        engine.sliding_pool.check()
+    return _idle(engine)
 
 
 def test_chunked_prefill_matches_transformers(oss):

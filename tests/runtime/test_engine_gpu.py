@@ -16,7 +16,9 @@ def test_gpt_oss_on_cuda(tmp_path):
     engine = tiny.engine(block_size=16)
     # Sized from free memory, capped at what max_running full contexts could use.
     assert engine.pool.num_blocks == 512 * 64 // 16
-    assert engine.cache.k.is_cuda
+    # The sliding layers (window 8) have a pool of their own, sized by their windows.
+    assert engine.cache.full.k.is_cuda and engine.cache.sliding.k.is_cuda
+    assert 0 < engine.sliding_pool.num_blocks < engine.pool.num_blocks
     requests = [chat(("user", q), max_tokens=16) for q in QUESTIONS]
     alone = [collect(engine.submit(r))[0] for r in requests]
     streams = [engine.submit(r) for r in requests]
@@ -49,3 +51,21 @@ def test_graph_decode_gives_the_eager_tokens_on_cuda(tmp_path):
     assert engine.counters()["graph_steps"] >= 15 * 2
     eager.shutdown()
     engine.shutdown()
+
+
+def test_released_windows_give_the_one_group_tokens_on_cuda(tmp_path):
+    """Sliding blocks freed as the window (8 tokens, 4-token blocks) passes them, prefill chunks
+    around the window size, eager and graph decode: the tokens of a cache that keeps everything."""
+    tiny = tiny_gpt_oss(tmp_path, "cuda")
+    requests = [chat(("user", q * 3), max_tokens=40) for q in QUESTIONS]
+    kept = tiny.engine(block_size=4, max_batch_tokens=16, num_sliding_blocks=0, cuda_graphs=False)
+    expected = [collect(s)[0] for s in [kept.submit(r) for r in requests]]
+    kept.shutdown()
+    for graphs in (False, True):
+        engine = tiny.engine(block_size=4, max_batch_tokens=16, cuda_graphs=graphs, max_running=4)
+        assert [collect(s)[0] for s in [engine.submit(r) for r in requests]] == expected
+        assert [collect(engine.submit(r))[0] for r in requests] == expected  # prefix reuse
+        c = engine.counters()
+        assert c["prefix_hit_tokens"] > 0 and c["sliding_free_blocks"] == c["sliding_num_blocks"]
+        assert (c["graph_steps"] > 0) == graphs
+        engine.shutdown()
