@@ -110,25 +110,20 @@ SHARED_MEMORY_BUDGET = 200 * 1024
 
 
 def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2) -> MoeConfig:
-    """Tile sizes by the expected pairs per expert (uniform routing). Up to two pairs per expert
-    (decode: gpt-oss-120b to 64 tokens, GLM-4.5V to 32) the row-streaming kernels with one pair
-    per program win on an H200; above, tensor-core tiles. Within the row kernels each choice
-    below is the fastest measured at that load (bench/bench_moe_sweep.py, bench/NOTES-moe.md):
-    MXFP4 word decode except at 1/8 pair per expert (gpt-oss-20b at 1 token, where the
-    code-by-code kernel measured faster), block FP8 over two scale blocks per K step up to half a
-    pair per expert, channel FP8 with the next chunk in flight at 1 token."""
+    """Tile sizes by the expected pairs per expert (uniform routing). Each choice below is the
+    fastest measured at that load on an H200 (bench/bench_moe_sweep.py, bench/NOTES-moe.md).
+    MXFP4: the word-decode row kernels with one pair per program up to two pairs per expert
+    (gpt-oss-120b to 64 tokens, gpt-oss-20b to 16), then tensor-core tiles. FP8: row kernels up
+    to one pair per expert (GLM-4.5V to 16 tokens; block scales over two scale blocks per K step
+    up to half a pair, channel scales with the next chunk in flight at 1 token), then tiles."""
     if not on_gpu:
         return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
     per_expert = num_pairs / max(num_experts, 1)
-    if per_expert <= 2:
-        if fmt == FMT_MXFP4:
-            if per_expert <= 0.1:
-                return MoeConfig(1, 8, 256, 1, 1, gemv=True, mx_words=True)
-            if per_expert <= 0.2:
-                return MoeConfig(1, 8, 512, 4, 1, gemv=True)
-            if per_expert <= 0.5:
-                return MoeConfig(1, 16, 256, 2, 1, gemv=True, mx_words=True)
-            return MoeConfig(1, 32, 256, 4, 1, gemv=True, mx_words=True)
+    if fmt == FMT_MXFP4 and per_expert <= 2:
+        if per_expert <= 0.5:
+            return MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True)
+        return MoeConfig(1, 16, 256, 2, 3, gemv=True, mx_words=True)
+    if fmt != FMT_MXFP4 and per_expert <= 1:
         if fmt == FMT_FP8_BLK:
             if per_expert <= 0.5:
                 return MoeConfig(1, 16, 256, 4, 1, gemv=True)
@@ -137,7 +132,11 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
             return MoeConfig(1, 16, 512, 4, 1, gemv=True, prefetch=True)
         return MoeConfig(1, 16, 256, 4, 1, gemv=True)
     block_k = 256 if fmt == FMT_MXFP4 else 128
-    if per_expert <= 16:
+    if fmt == FMT_MXFP4 and per_expert <= 16:
+        cfg = MoeConfig(16, 128, 128, 4, 3)
+    elif fmt != FMT_MXFP4 and per_expert <= 4:
+        cfg = MoeConfig(16, 64, 128, 4, 4)
+    elif per_expert <= 16:
         cfg = MoeConfig(16, 32, block_k, 4, 4)
     elif per_expert <= 48:
         cfg = MoeConfig(32, 64, block_k, 4, 4)

@@ -16,7 +16,9 @@ import triton.language as tl
 from .moe_gemm import FMT_DENSE
 
 GEMV_MAX_M = 2  # H200, FP8: 1 token 2.4x faster than the tile kernel; at 4 the two are even, at 8 the tile wins
-DENSE_GEMV_MAX_M = 2  # dense weights: rows up to which dense_gemv replaces cuBLAS (BENCHMARKS.md)
+# Dense weights: rows up to which dense_gemv replaces cuBLAS. H200, bf16, 1 token: 8.5 vs 9.1 us
+# (gpt-oss o_proj), 8.1 vs 8.5 (q/k/v), 263 vs 279 (lm_head); at 2 tokens cuBLAS is faster.
+DENSE_GEMV_MAX_M = 1
 NUM_SMS = 132  # H200; the row split only needs to be about right
 
 

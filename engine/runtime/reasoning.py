@@ -18,12 +18,23 @@ class _TagScanner:
     """Finds the earliest of `tags` in a stream of text pieces."""
 
     def __init__(self, tags: tuple[str, ...]):
+        # Every tag opens with a character that appears nowhere else in it, so a partial tag at
+        # the end of the buffer starts at the buffer's last such character: text without one is
+        # released whole, without scanning for each tag (the common case, once per token).
+        self.openers = "".join(sorted({t[0] for t in tags}))
+        if any(c in t[1:] for t in tags for c in self.openers):
+            raise ValueError(f"tags {tags}: an opening character must not appear inside a tag")
         self.tags = tags
         self.buffer = ""
 
     def feed(self, text: str):
         """Yields ("text", s) and ("tag", tag) events; keeps a possible partial tag buffered."""
         self.buffer += text
+        if not any(c in self.buffer for c in self.openers):
+            if self.buffer:
+                yield "text", self.buffer
+            self.buffer = ""
+            return
         while True:
             hits = [(self.buffer.find(t), t) for t in self.tags if t in self.buffer]
             if not hits:
@@ -33,12 +44,9 @@ class _TagScanner:
                 yield "text", self.buffer[:pos]
             yield "tag", tag
             self.buffer = self.buffer[pos + len(tag):]
-        keep = 0
-        for t in self.tags:
-            for n in range(min(len(t) - 1, len(self.buffer)), 0, -1):
-                if self.buffer.endswith(t[:n]):
-                    keep = max(keep, n)
-                    break
+        start = max(self.buffer.rfind(c) for c in self.openers)
+        tail = self.buffer[start:] if start >= 0 else ""
+        keep = len(tail) if tail and any(t.startswith(tail) and len(t) > len(tail) for t in self.tags) else 0
         if len(self.buffer) > keep:
             yield "text", self.buffer[: len(self.buffer) - keep]
             self.buffer = self.buffer[len(self.buffer) - keep:]
