@@ -16,9 +16,12 @@ import triton.language as tl
 from .moe_gemm import FMT_DENSE
 
 GEMV_MAX_M = 2  # H200, FP8: 1 token 2.4x faster than the tile kernel; at 4 the two are even, at 8 the tile wins
-# Dense weights: rows up to which dense_gemv replaces cuBLAS. H200, bf16, 1 token: 8.5 vs 9.1 us
-# (gpt-oss o_proj), 8.1 vs 8.5 (q/k/v), 263 vs 279 (lm_head); at 2 tokens cuBLAS is faster.
+# Dense weights: dense_gemv replaces cuBLAS for up to DENSE_GEMV_MAX_M rows and at least
+# DENSE_GEMV_MIN_N outputs. H200, bf16, 1 token: 8.5 vs 9.1 us (gpt-oss o_proj), 8.1 vs 8.5
+# (q/k/v), 263 vs 279 (lm_head); at 2 tokens cuBLAS is faster, and for a router (128 outputs:
+# 32 programs, each a long serial stream) it is faster too (5.9 vs 6.1 us bf16).
 DENSE_GEMV_MAX_M = 1
+DENSE_GEMV_MIN_N = 1024
 NUM_SMS = 132  # H200; the row split only needs to be about right
 
 

@@ -1,8 +1,8 @@
 """Format-aware linear: y = x @ W^T + b for W in any checkpoint format.
 
 On CPU the weight is dequantized exactly (the reference path); on CUDA dense weights go to
-cuBLAS (or, for one or two tokens, to the row-streaming GEMV, which reads the weight once in a
-single launch where cuBLAS splits K over two) and FP8 weights to the FP8 kernel, which reads the
+cuBLAS (or, for one token and a wide output, to the row-streaming GEMV, which reads the weight
+once in a single launch where cuBLAS splits K over two) and FP8 weights to the FP8 kernel, which reads the
 1-byte weights directly.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ def linear(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -
     if isinstance(w, DenseWeight):
         weight = w.weight if w.weight.dtype == x.dtype else w.weight.to(x.dtype)
         rows = x.numel() // max(x.shape[-1], 1)
-        if x.is_cuda and 0 < rows <= row_gemv.DENSE_GEMV_MAX_M and weight.stride(-1) == 1:
+        if (x.is_cuda and 0 < rows <= row_gemv.DENSE_GEMV_MAX_M and weight.shape[0] >= row_gemv.DENSE_GEMV_MIN_N
+                and weight.stride(-1) == 1):
             out = row_gemv.dense_gemv(x.reshape(rows, x.shape[-1]), weight, bias)
             return out.reshape(*x.shape[:-1], weight.shape[0])
     else:
