@@ -1,6 +1,6 @@
 """Sweep MoE kernel configs at decode sizes on one GPU and print GB/s against the copy ceiling.
 
-    python bench/bench_moe_sweep.py [--ts 1,8,32] [--only mxfp4,fp8_channel,fp8_block,mxfp4_20b] [--tile] [--tiles]
+    python bench/bench_moe_sweep.py [--ts 1,8,32] [--only mxfp4,fp8_channel,fp8_block,mxfp4_20b] [--tile] [--tiles] [--split]
 
 Cases: gpt-oss-120b MXFP4 (E=128, k=4, H=I=2880), GLM-4.5V FP8 channel and 128x128-block
 (E=128, k=8, H=4096, I=1408), gpt-oss-20b (E=32, defaults only), random weights. Each timing is a CUDA graph of 20 fused_moe calls,
@@ -61,6 +61,12 @@ TILE_CANDIDATES["fp8_block"] = [c for c in TILE_CANDIDATES["fp8_channel"] if c[2
 STAGED_ROW_CANDIDATES = {"mxfp4": [(1, 8, 256, 1, 3), (1, 16, 256, 2, 3), (1, 8, 512, 4, 3)],
                          "fp8_channel": [(1, 16, 256, 4, 3), (1, 16, 512, 4, 3)],
                          "fp8_block": [(1, 16, 256, 4, 3), (1, 32, 128, 4, 3)]}
+
+
+# (block_n, block_k, num_warps, num_stages, split_k) of the MXFP4 word-decode row kernels with K
+# split over several programs (--split): more warps per SM at 1-8 tokens
+SPLIT_CANDIDATES = [(8, 256, 1, 3, 1), (8, 256, 1, 3, 2), (8, 256, 1, 3, 3), (8, 256, 1, 3, 4), (8, 256, 1, 3, 6),
+                    (16, 256, 2, 3, 2), (16, 256, 2, 3, 4), (8, 512, 1, 3, 3)]
 
 
 def make_case(fmt, e, h, i):
@@ -125,7 +131,7 @@ def new_config(fmt, bm, bn, bk, nw):
     return MoeConfig(bm, bn, bk, nw, 1, gemv=True, mx_words=fmt == "mxfp4", prefetch=True)
 
 
-def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile, candidates=True, tiles=False):
+def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile, candidates=True, tiles=False, split=False):
     experts = make_case(fmt, e, h, i)
     per_expert = expert_bytes(experts)
     fmt_code = {"mxfp4": 3, "fp8_channel": 1, "fp8_block": 2}[fmt]
@@ -150,6 +156,9 @@ def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile, candidates=True, tile
         for spec in NEW_CANDIDATES[fmt].get(t, NEW_CANDIDATES[fmt][32]) if candidates and not tiles else []:
             cfg = new_config(fmt, *spec)
             cands.append((_label(cfg), cfg))
+        for bn, bk, nw, ns, sk in SPLIT_CANDIDATES if split and fmt == "mxfp4" else []:
+            cfg = MoeConfig(1, bn, bk, nw, ns, gemv=True, mx_words=True, split_k=sk)
+            cands.append((_label(cfg) + f" s{ns} split{sk}", cfg))
         for bm, bn, bk, nw, ns in STAGED_ROW_CANDIDATES[fmt] if tiles else []:
             cfg = MoeConfig(bm, bn, bk, nw, ns, gemv=True, mx_words=fmt == "mxfp4" and bk <= 256)
             cands.append((_label(cfg) + f" s{ns}", cfg))
@@ -197,6 +206,7 @@ def main():
     parser.add_argument("--ts", default="1,8,32")
     parser.add_argument("--only", default="mxfp4,fp8_channel,fp8_block,mxfp4_20b")
     parser.add_argument("--tile", action="store_true", help="also time the tensor-core tile kernel")
+    parser.add_argument("--split", action="store_true", help="time MXFP4 K splits (SPLIT_CANDIDATES) instead")
     parser.add_argument("--tiles", action="store_true", help="sweep tensor-core tiles (TILE_CANDIDATES) "
                         "instead of the row-kernel candidates")
     args = parser.parse_args()
@@ -213,7 +223,8 @@ def main():
     for key, *case in cases:
         if key in args.only.split(","):
             # gpt-oss-20b: the defaults only, against the previous default
-            sweep_case(*case, ts, rows, args.tile, candidates=key != "mxfp4_20b", tiles=args.tiles)
+            sweep_case(*case, ts, rows, args.tile, candidates=key != "mxfp4_20b" and not args.split, tiles=args.tiles,
+                       split=args.split)
     _flush(rows)
 
 

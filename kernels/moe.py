@@ -3,6 +3,10 @@
 Pipeline (5 launches, all shapes fixed by T, k, E: safe inside a CUDA graph):
 moe_align (group pairs by expert) -> moe_gate_up_kernel (gate and up GEMMs with the GLU fused)
 -> moe_down_kernel (down GEMM, down bias and routing weight fused) -> moe_combine_kernel.
+At decode sizes the row-streaming kernels (moe_gemv*.py) take one pair per program and skip
+moe_align; with MoeConfig.split_k they split K over several programs (more loads in flight at
+1-8 tokens): gate/up partial sums are added and activated by moe_glu_splits_kernel, down partial
+sums by the combine, both in a fixed order.
 Routing (topk_weights, topk_ids) comes from kernels/moe_routing.py.
 
 Weights stay in their checkpoint format (kernels/moe_gemm.py lists the four). The expert
@@ -26,7 +30,7 @@ from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT
                        moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
 from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from .moe_gemv_stream import moe_down_stream_kernel, moe_gate_up_stream_kernel
-from .moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
+from .moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel, moe_glu_splits_kernel
 
 ACTIVATIONS = {"silu_glu": ACT_SILU_GLU, "swiglu_clamped": ACT_SWIGLU_OAI}
 
@@ -71,6 +75,7 @@ class MoeConfig:
     mx_words: bool = False  # MXFP4 row streaming: decode int32 words of 8 codes (kernels/moe_gemv.py)
     prefetch: bool = False  # row streaming with the next K chunk in flight (MXFP4 words; dense/FP8 stream kernels)
     max_registers: int = 0  # registers per thread the compiler may use (0: its choice), for occupancy
+    split_k: int = 1  # MXFP4 word decode, one pair per program: K split over this many programs
 
 
 def _rows(w: LinearWeight, rows: slice) -> LinearWeight:
@@ -179,6 +184,12 @@ def _fp8_block_k_fits(cfg: MoeConfig, scale_block_k: int) -> bool:
     return cfg.gemv and pow2 and cfg.block_k % scale_block_k == 0
 
 
+def _k_splits(k: int, cfg: MoeConfig) -> tuple[int, int]:
+    """(K per split, a multiple of block_k; number of splits) for cfg.split_k over a K of k."""
+    step = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    return step, triton.cdiv(k, step)
+
+
 def _check(t: torch.Tensor, what: str) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{what} must be contiguous along K (stride 1), got strides {t.stride()}")
@@ -225,6 +236,9 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
             if f == FMT_FP8_BLK and b[0] % cfg.block_n:
                 raise ValueError(f"the prefetching row kernels need block_n {cfg.block_n} to divide the FP8 "
                                  f"scale block {b}")
+    if cfg.split_k > 1 and not (cfg.gemv and cfg.mx_words and cfg.block_m == 1 and fmt == fmt_d == FMT_MXFP4):
+        raise ValueError(f"split_k {cfg.split_k} needs MXFP4 experts on the word-decode row kernels with one pair "
+                         "per program (gemv=True, mx_words=True, block_m=1)")
     num_pairs = t * k
     if cfg.gemv and cfg.block_m == 1:
         # one program per pair, in pair order: no grouping pass needed
@@ -257,11 +271,20 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     if words_up:
         # int32 words of 8 codes, strides in 16-byte groups (rows are whole 32-value groups)
         wg32, wu32 = wg.view(torch.int32), wu.view(torch.int32)
-        words_args = (x, x.stride(0), wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4, *gate_up_args[6:])
-        moe_gate_up_words_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
-            *words_args, SORTED=sorted_pairs, ACT=ACTIVATIONS[experts.activation], HAS_BIAS=has_bias,
-            X_BF16=x_bf16, PREFETCH=cfg.prefetch, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            **launch)
+        k_step, splits = _k_splits(h, cfg)
+        part = torch.empty((splits, num_pairs, 2, i), dtype=torch.float32, device=x.device) if splits > 1 else act
+        act_meta = dict(ACT=ACTIVATIONS[experts.activation], HAS_BIAS=has_bias)
+        bias_strides = gate_up_args[13:15]
+        moe_gate_up_words_kernel[(b_max, triton.cdiv(i, cfg.block_n), splits)](
+            x, x.stride(0), wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4, *gate_up_args[6:15],
+            act, act.stride(0), part, sorted_ids, block_expert, num_pairs, i, h, k_step, k,
+            float(experts.alpha), float(experts.limit), SORTED=sorted_pairs, X_BF16=x_bf16, PREFETCH=cfg.prefetch,
+            SPLIT_K=splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **act_meta, **launch)
+        if splits > 1:
+            glu_n = min(1024, triton.next_power_of_2(i))
+            moe_glu_splits_kernel[(num_pairs, triton.cdiv(i, glu_n))](
+                part, bg, bu, *bias_strides, act, act.stride(0), block_expert, num_pairs, i,
+                float(experts.alpha), float(experts.limit), SPLIT_K=splits, BLOCK_N=glu_n, **act_meta)
     elif stream_up:
         moe_gate_up_stream_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             *gate_up_args, SORTED=sorted_pairs, **gate_up_meta)
@@ -271,7 +294,8 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     else:
         moe_gate_up_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             *gate_up_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **gate_up_meta)
-    y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
+    down_k_step, down_splits = _k_splits(i, cfg) if words_down else (i, 1)
+    y = torch.empty((down_splits * num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias = experts.down_bias is not None
     bd = experts.down_bias if has_down_bias else x
     pair_weights = topk_weights.reshape(-1).to(torch.float32)
@@ -282,8 +306,8 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
     if words_down:
         wd32 = wd.view(torch.int32)
-        moe_down_words_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
-            act, act.stride(0), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, *down_args[5:],
+        moe_down_words_kernel[(b_max, triton.cdiv(h, cfg.block_n), down_splits)](
+            act, act.stride(0), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, *down_args[5:], down_k_step,
             SORTED=sorted_pairs, HAS_BIAS=has_down_bias, X_BF16=x_bf16, PREFETCH=cfg.prefetch,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
     elif stream_down:
@@ -294,7 +318,8 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         moe_down_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
             *down_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **down_meta)
     block_h = min(1024, triton.next_power_of_2(h))
-    moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_ids, out, h, TOP_K=k, BLOCK_H=block_h)
+    moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_ids, out, h, num_pairs, TOP_K=k, SPLITS=down_splits,
+                                                    BLOCK_H=block_h)
     return out
 
 

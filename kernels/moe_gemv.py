@@ -15,6 +15,7 @@ import triton.language as tl
 
 from .moe_gemm import _row_scale
 
+
 @triton.jit
 def _e2m1_f32(codes):
     """E2M1 codes (int32 0..15) -> value * 2^-14 in float32 (fp16 bit placement, see above)."""
@@ -22,7 +23,6 @@ def _e2m1_f32(codes):
     return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
-# 2^100 on the activations and 2^26 in the group multiplier undo the word decode's 2^-126.
 @triton.jit
 def _gemv_chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, pair_ptr, pid_m, num_pairs, top_k,
                 stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk,

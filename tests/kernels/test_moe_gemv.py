@@ -85,6 +85,24 @@ def test_gpt_oss_mxfp4_words(block_m, dtype, scales, prefetch):
     assert rel_err(out, fused_moe_ref(x, experts, w, ids)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("split_k,prefetch", [(2, True), (3, False), (3, True)])
+def test_gpt_oss_mxfp4_words_split_k(split_k, prefetch):
+    # H=96 / I=160 with 64-wide K steps: gate/up split into 2 ranges (64 + 32), down into 2
+    # (128 + 32) or 3 (64 + 64 + 32); one pair's expert is -1 (held by another rank)
+    e, k, h, i, t = 6, 2, 96, 160, 3
+    experts = _gpt_oss_case(e, h, i, scale_lo=100, scale_hi=131)
+    x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
+    ids[1, 0] = -1
+    cfg = MoeConfig(1, 32, 64, 1, 1, gemv=True, mx_words=True, prefetch=prefetch, split_k=split_k)
+    out = fused_moe(x, experts, w, ids, config=cfg)
+    assert rel_err(out, fused_moe_ref(x, experts, w, ids)) < TOL[torch.bfloat16]
+    whole = fused_moe(x, experts, w, ids, config=MoeConfig(1, 32, 64, 1, 1, gemv=True, mx_words=True))
+    assert rel_err(out, whole) < 1e-2  # only the float32 summation order differs
+    with pytest.raises(ValueError, match="split_k"):
+        fused_moe(x, experts, w, ids, config=MoeConfig(2, 32, 64, 1, 1, gemv=True, mx_words=True, split_k=2))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_mxfp4_words_keep_half_codes(dtype):
     # only +-0 and +-0.5: the word decode turns 0.5 into a float32 subnormal (0.5 * 2^-126),
@@ -149,6 +167,8 @@ def test_new_row_kernels_reject_bad_tiles():
     (1, MoeConfig(1, 8, 256, 1, 1, gemv=True, mx_words=True, prefetch=True)),
     (1, MoeConfig(1, 16, 512, 4, 1, gemv=True, mx_words=True)),
     (32, MoeConfig(4, 16, 256, 4, 1, gemv=True, mx_words=True, prefetch=True)),
+    (1, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True, split_k=4)),
+    (4, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True, split_k=2)),
 ])
 def test_gpt_oss_words_gpu(t, cfg):
     e, k, h, i = 128, 4, 2880, 2880

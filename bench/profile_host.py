@@ -1,0 +1,61 @@
+"""Where a decode step's host time goes: cProfile of the engine thread over the decode steps in
+which all `--batch` chats ran, on a registered model at full width with a few layers (random
+weights, CUDA graphs on), so the GPU part is short and the host part shows.
+
+    python bench/profile_host.py glm-4.5v-fp8,gpt-oss-20b --layers 2 --batch 32
+"""
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from localchat.app.bench import _finals, _request, make_engine, spec_for
+from localchat.engine.models import build_model
+from localchat.engine.runtime.engine import Engine
+from localchat.engine.weights.dummy import dummy_weights
+from localchat.engine.weights.loader import weight_bytes
+
+p = argparse.ArgumentParser()
+p.add_argument("models")
+p.add_argument("--layers", type=int, default=2)
+p.add_argument("--batch", type=int, default=32)
+p.add_argument("--gen-len", type=int, default=48)
+p.add_argument("--top", type=int, default=25)
+args = p.parse_args()
+
+for name in args.models.split(","):
+    spec = spec_for(name, args.layers)
+    weights = dummy_weights(spec, device="cuda", dtype=torch.bfloat16)
+    engine = make_engine(spec, build_model(spec, weights, "cuda"), weight_bytes(weights), 512, args.gen_len,
+                         args.batch, 0)
+    engine.warmup()
+    profile, steps, wall = cProfile.Profile(), [0], [0.0]
+    plain_step = Engine._step
+
+    def profiled_step(self, plan):
+        if len(plan) != args.batch or any(n != 1 for _, n in plan):
+            return plain_step(self, plan)
+        start = time.perf_counter()
+        profile.enable()
+        try:
+            return plain_step(self, plan)
+        finally:
+            profile.disable()
+            steps[0] += 1
+            wall[0] += time.perf_counter() - start
+
+    Engine._step = profiled_step
+    try:
+        _finals([engine.submit(_request(args.gen_len)) for _ in range(args.batch)])
+    finally:
+        Engine._step = plain_step
+        engine.shutdown()
+    print(f"{name}: {args.layers} layers, batch {args.batch}: {steps[0]} decode steps, "
+          f"{1e3 * wall[0] / max(steps[0], 1):.2f} ms per step (wall, profiler on)")
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats(key).print_stats(args.top)
+        print(out.getvalue())
