@@ -1,6 +1,8 @@
+import random
+
 import pytest
 
-from localchat.engine.runtime.reasoning import GlmReasoningParser, HarmonyParser, parse_boxes
+from localchat.engine.runtime.reasoning import GlmReasoningParser, HarmonyParser, _TagScanner, parse_boxes
 
 
 def run(parser, pieces):
@@ -56,3 +58,26 @@ def test_harmony_commentary_is_not_answer():
 def test_parse_boxes():
     boxes = parse_boxes("a <|begin_of_box|>[[1,2,3,4],[5,6,7,8]]<|end_of_box|> b <|begin_of_box|>[9, 10, 11, 12]<|end_of_box|>")
     assert [(b.x1, b.y1, b.x2, b.y2) for b in boxes] == [(1, 2, 3, 4), (5, 6, 7, 8), (9, 10, 11, 12)]
+
+
+@pytest.mark.parametrize("make", [GlmReasoningParser, HarmonyParser])
+def test_random_piece_boundaries_give_the_whole_text_result(make):
+    # text with tags, partial-looking tag starts ("<|", "</thi") and plain stretches without "<",
+    # fed in random pieces: the result must not depend on where the pieces break
+    text = ("a<b <|chan <think>one </thi two</think> x<|channel|>analysis<|message|>r1 < r2<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>ans <wer> 3<|return|> tail <|")
+    def run(pieces):
+        p = make()
+        outs = [p.feed(s) for s in pieces] + [p.finish()]
+        return "".join(a for a, _ in outs), "".join(r for _, r in outs)
+    whole = run([text])
+    rng = random.Random(0)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 12)))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        assert run(pieces) == whole
+
+
+def test_tag_scanner_needs_unique_openers():
+    with pytest.raises(ValueError, match="opening character"):
+        _TagScanner(("<a<b>",))
