@@ -99,7 +99,9 @@ def _finals(streams) -> list[Final]:
 
 def graph_replay_ms(engine, batch: int, replays: int = 20) -> float:
     """Median time of one replay of the captured decode graph of `batch`'s bucket (GPU only,
-    no host work); the inputs left from the last real step are valid."""
+    no host work); the inputs left from the last real step are valid. A lower bound where the
+    MoE cost depends on the routing (tensor-core tiles: distinct experts): the chats of a
+    random-weight model tend to end on one repeated token, which routes every row alike."""
     graphs = engine.runner.graphs
     size = graphs.bucket(batch)
     if size not in graphs.graphs:
