@@ -257,8 +257,9 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_registers:
         launch["maxnreg"] = cfg.max_registers
-    gate_up_args = (x, x.stride(0), wg, wu, wg.stride(0), wg.stride(1), sg, su, *s_strides,
-                    bg, bu, bg.stride(0) if has_bias else 0, bg.stride(1) if has_bias else 0,
+    bias_strides = (bg.stride(0), bg.stride(1)) if has_bias else (0, 0)
+    scales_biases = (sg, su, *s_strides, bg, bu, *bias_strides)
+    gate_up_args = (x, x.stride(0), wg, wu, wg.stride(0), wg.stride(1), *scales_biases,
                     act, act.stride(0), sorted_ids, block_expert, num_pairs, i, h, k,
                     float(experts.alpha), float(experts.limit))
     gate_up_meta = dict(FORMAT=fmt, SBN=sblock[0], SBK=sblock[1], ACT=ACTIVATIONS[experts.activation],
@@ -274,9 +275,8 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         k_step, splits = _k_splits(h, cfg)
         part = torch.empty((splits, num_pairs, 2, i), dtype=torch.float32, device=x.device) if splits > 1 else act
         act_meta = dict(ACT=ACTIVATIONS[experts.activation], HAS_BIAS=has_bias)
-        bias_strides = gate_up_args[13:15]
         moe_gate_up_words_kernel[(b_max, triton.cdiv(i, cfg.block_n), splits)](
-            x, x.stride(0), wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4, *gate_up_args[6:15],
+            x, x.stride(0), wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4, *scales_biases,
             act, act.stride(0), part, sorted_ids, block_expert, num_pairs, i, h, k_step, k,
             float(experts.alpha), float(experts.limit), SORTED=sorted_pairs, X_BF16=x_bf16, PREFETCH=cfg.prefetch,
             SPLIT_K=splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **act_meta, **launch)
