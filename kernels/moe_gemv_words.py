@@ -118,6 +118,19 @@ def _mx_words_dot(t0, t1, t2, t3, mult, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
+def _split_range(split, k_per_split, K, SPLIT_K: tl.constexpr):
+    """K range [k_lo, k_hi) of program `split`; the whole row without a split. Weights past k_hi
+    are masked, so the prefetch after a split's last chunk reads nothing."""
+    if SPLIT_K > 1:
+        k_lo = split * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+    else:
+        k_lo = 0
+        k_hi = K
+    return k_lo, k_hi
+
+
+@triton.jit
 def _slot_sums(a0, a1, a2, a3, BLOCK_M: tl.constexpr):
     """Per-slot [BLOCK_N, G] accumulators -> [BLOCK_N, BLOCK_M] row sums."""
     cols = tl.arange(0, BLOCK_M)[None, :]
@@ -155,8 +168,7 @@ def moe_gate_up_words_kernel(
     e, pairs, valid = _block_pairs(pair_ptr, expert_ptr, pid_m, num_pairs, SORTED, BLOCK_M)
     if e < 0:
         return
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)  # weights past it are masked, so prefetching costs no bytes
+    k_lo, k_hi = _split_range(split, k_per_split, K, SPLIT_K)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     BLOCK_G: tl.constexpr = BLOCK_K // 32
@@ -256,7 +268,7 @@ def moe_down_words_kernel(
         pair_weights_ptr, out_ptr, stride_ot,
         pair_ptr, expert_ptr, num_pairs, N, K, k_per_split,
         SORTED: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr, PREFETCH: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """moe_down_gemv_kernel for MXFP4 by word decode (as moe_gate_up_words_kernel). With K split
     over program axis 2, split s writes rows s * num_pairs + pair of out (the combine kernel adds
     them); the down bias goes into split 0."""
@@ -266,8 +278,7 @@ def moe_down_words_kernel(
     e, pairs, valid = _block_pairs(pair_ptr, expert_ptr, pid_m, num_pairs, SORTED, BLOCK_M)
     if e < 0:
         return
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    k_lo, k_hi = _split_range(split, k_per_split, K, SPLIT_K)
     rows = tl.where(valid, pairs, 0).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
@@ -308,9 +319,13 @@ def moe_down_words_kernel(
                 a0 += _mx_words_dot(t0, t1, t2, t3, mult, x0, x1, x2, x3, x4, x5, x6, x7)
     acc = _slot_sums(a0, a1, a2, a3, BLOCK_M)
     if HAS_BIAS:
-        bias = tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask & (n * 0 + split == 0), other=0.0)
-        acc += bias.to(tl.float32)[:, None]
+        bias_mask = n_mask
+        if SPLIT_K > 1:
+            bias_mask = bias_mask & (n * 0 + split == 0)
+        acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=bias_mask, other=0.0).to(tl.float32)[:, None]
     gate = tl.load(pair_weights_ptr + rows, mask=valid, other=0.0)
     acc = acc * gate[None, :]
-    out_rows = split * num_pairs + rows
+    out_rows = rows
+    if SPLIT_K > 1:
+        out_rows = split * num_pairs + rows
     tl.store(out_ptr + out_rows[None, :] * stride_ot + n[:, None], acc, mask=valid[None, :] & n_mask[:, None])
