@@ -1,0 +1,93 @@
+"""Compiles the decode-path Triton kernels for sm_90 (H100 / H200) with Triton's bundled ptxas,
+without a GPU: run as a script (TRITON_INTERPRET unset) by test_hopper_compile.py. It proves
+each specialization lowers to a cubin, not that it computes the right thing (the interpreter
+tests and `pytest -m gpu` do that). Prints one line per kernel; exits 1 if any fails."""
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from localchat.kernels.moe_gemm import moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel
+from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel, moe_glu_splits_kernel
+from localchat.kernels.row_gemv import row_gemv_kernel
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def _types(overrides: dict[str, str]):
+    """Argument types by name: the overrides, else i32 (strides, sizes)."""
+    return lambda name: overrides.get(name, "i32")
+
+
+def compile_kernel(fn, types, constexprs: dict, num_warps: int = 4, num_stages: int = 1) -> None:
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else types(n) for n in names}
+    src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()})
+    kernel = triton.compile(src, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages))
+    assert len(kernel.asm.get("cubin", b"")) > 0, "no cubin"
+
+
+WORDS = _types({"x_ptr": "*bf16", "a_ptr": "*bf16", "bg_ptr": "*bf16", "bu_ptr": "*bf16", "b_ptr": "*bf16",
+                "out_ptr": "*bf16", "wg_ptr": "*i32", "wu_ptr": "*i32", "w_ptr": "*i32", "sg_ptr": "*u8",
+                "su_ptr": "*u8", "s_ptr": "*u8", "part_ptr": "*fp32", "pair_weights_ptr": "*fp32",
+                "pair_ptr": "*i64", "expert_ptr": "*i64", "alpha": "fp32", "limit": "fp32"})
+WORDS_DOWN = _types({**{n: WORDS(n) for n in ("a_ptr", "b_ptr", "w_ptr", "s_ptr", "pair_weights_ptr", "pair_ptr",
+                                              "expert_ptr")}, "out_ptr": "*fp32"})
+TILE_FP8 = _types({"x_ptr": "*bf16", "a_ptr": "*bf16", "wg_ptr": "*fp8e4nv", "wu_ptr": "*fp8e4nv",
+                   "w_ptr": "*fp8e4nv", "sg_ptr": "*fp32", "su_ptr": "*fp32", "s_ptr": "*fp32", "bg_ptr": "*bf16",
+                   "bu_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ids_ptr": "*i32",
+                   "block_expert_ptr": "*i32", "pair_weights_ptr": "*fp32", "alpha": "fp32", "limit": "fp32"})
+TILE_MX = _types({**{n: TILE_FP8(n) for n in ("x_ptr", "bg_ptr", "bu_ptr", "out_ptr", "sorted_ids_ptr",
+                                              "block_expert_ptr", "alpha", "limit")},
+                  "wg_ptr": "*u8", "wu_ptr": "*u8", "sg_ptr": "*u8", "su_ptr": "*u8"})
+
+CASES = []
+for split in (1, 4):
+    for prefetch in (False, True):
+        CASES.append((f"MXFP4 gate/up words, split {split}, prefetch {prefetch}", moe_gate_up_words_kernel, WORDS,
+                      dict(SORTED=False, ACT=1, HAS_BIAS=True, X_BF16=True, PREFETCH=prefetch, SPLIT_K=split,
+                           BLOCK_M=1, BLOCK_N=8, BLOCK_K=256), 1, 3))
+        CASES.append((f"MXFP4 down words, split {split}, prefetch {prefetch}", moe_down_words_kernel, WORDS_DOWN,
+                      dict(SORTED=False, HAS_BIAS=True, X_BF16=True, PREFETCH=prefetch, SPLIT_K=split, BLOCK_M=1,
+                           BLOCK_N=16, BLOCK_K=256), 2, 3))
+CASES += [
+    ("MXFP4 split GLU", moe_glu_splits_kernel,
+     _types({"part_ptr": "*fp32", "bg_ptr": "*bf16", "bu_ptr": "*bf16", "out_ptr": "*bf16", "expert_ptr": "*i64",
+             "alpha": "fp32", "limit": "fp32"}), dict(SPLIT_K=4, ACT=1, HAS_BIAS=True, BLOCK_N=1024), 4, 1),
+    ("MoE combine, 4 splits", moe_combine_kernel, _types({"y_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16"}),
+     dict(TOP_K=4, SPLITS=4, BLOCK_H=1024), 4, 1),
+    ("FP8 gate/up tile 16x64x128", moe_gate_up_kernel, TILE_FP8,
+     dict(FORMAT=1, MX_DOT_SCALED=True, SBN=1, SBK=1, X_FMT="bf16", ACT=0, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64,
+          BLOCK_K=128), 4, 4),
+    ("FP8 down tile 16x64x128", moe_down_kernel, _types({**{n: TILE_FP8(n) for n in (
+        "a_ptr", "w_ptr", "s_ptr", "b_ptr", "pair_weights_ptr", "sorted_ids_ptr", "block_expert_ptr")},
+        "out_ptr": "*fp32"}),
+     dict(FORMAT=1, MX_DOT_SCALED=True, SBN=1, SBK=1, X_FMT="bf16", HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64,
+          BLOCK_K=128), 4, 4),
+    ("MXFP4 gate/up tile 16x128x128 (dot_scaled)", moe_gate_up_kernel, TILE_MX,
+     dict(FORMAT=3, MX_DOT_SCALED=True, SBN=1, SBK=32, X_FMT="bf16", ACT=1, HAS_BIAS=True, BLOCK_M=16,
+          BLOCK_N=128, BLOCK_K=128), 4, 3),
+    ("dense row GEMV", row_gemv_kernel,
+     _types({"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
+     dict(FORMAT=0, SBN=1, SBK=1, HAS_BIAS=True, M_PAD=1, BLOCK_N=4, BLOCK_K=256), 4, 3),
+    ("FP8 channel row GEMV", row_gemv_kernel,
+     _types({"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
+     dict(FORMAT=1, SBN=1, SBK=1, HAS_BIAS=False, M_PAD=2, BLOCK_N=16, BLOCK_K=512), 4, 3),
+]
+
+
+def main() -> int:
+    failed = 0
+    for name, fn, types, constexprs, warps, stages in CASES:
+        try:
+            compile_kernel(fn, types, constexprs, warps, stages)
+            print(f"ok     {name}")
+        except Exception as e:  # report every kernel, then fail
+            failed += 1
+            print(f"FAILED {name}: {type(e).__name__}: {str(e)[:400]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
