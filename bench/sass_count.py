@@ -1,0 +1,77 @@
+"""Instructions per weight value in the main loop of the MXFP4 word-decode MoE kernels, offline:
+compiles for sm_90 with Triton's bundled ptxas (no GPU needed), disassembles with its cuobjdump,
+finds the longest backward-branch loop and divides its instruction count by the weight values
+one thread handles per trip. At 32 tokens gpt-oss-120b's MoE runs at the issue limit
+(bench/NOTES-moe.md), so this count predicts its time there.
+
+    python bench/sass_count.py            (with TRITON_INTERPRET unset)
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+import triton
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
+from hopper_compile import HOPPER, WORDS, WORDS_DOWN  # noqa: E402
+
+from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel  # noqa: E402
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def sass(fn, types, constexprs: dict, num_warps: int, num_stages: int) -> str:
+    """SASS of one specialization; pointers and strides marked 16-divisible, as at run time."""
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else types(n) for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))}
+    src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
+    kernel = triton.compile(src, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def main_loop(text: str) -> list[str]:
+    """The instructions of the longest loop (a branch back to a lower address)."""
+    instrs = [(int(m.group(1), 16), m.group(2)) for m in
+              re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;", text)]
+    best: list[str] = []
+    for addr, ins in instrs:
+        m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) < addr:
+            body = [i for a, i in instrs if int(m.group(1), 16) <= a <= addr]
+            best = max(best, body, key=len)
+    return best
+
+
+def opcode(ins: str) -> str:
+    parts = ins.split()
+    return (parts[1] if parts[0].startswith("@") else parts[0]).split(".")[0]
+
+
+CASES = [  # name, kernel, types, constexprs, warps, stages, weight values per program per trip
+    ("gate/up words n8 k256 w1 (1 token)", moe_gate_up_words_kernel, WORDS,
+     dict(SORTED=False, ACT=1, HAS_BIAS=True, X_BF16=True, PREFETCH=False, SPLIT_K=1, BLOCK_M=1, BLOCK_N=8,
+          BLOCK_K=256), 1, 3, 2 * 8 * 256),
+    ("gate/up words n16 k256 w2 (32 tokens)", moe_gate_up_words_kernel, WORDS,
+     dict(SORTED=False, ACT=1, HAS_BIAS=True, X_BF16=True, PREFETCH=False, SPLIT_K=1, BLOCK_M=1, BLOCK_N=16,
+          BLOCK_K=256), 2, 3, 2 * 16 * 256),
+    ("down words n16 k256 w2 (32 tokens)", moe_down_words_kernel, WORDS_DOWN,
+     dict(SORTED=False, HAS_BIAS=True, X_BF16=True, PREFETCH=False, SPLIT_K=1, BLOCK_M=1, BLOCK_N=16,
+          BLOCK_K=256), 2, 3, 16 * 256),
+]
+
+if __name__ == "__main__":
+    for name, fn, types, constexprs, warps, stages, values in CASES:
+        loop = main_loop(sass(fn, types, constexprs, warps, stages))
+        per_thread = values / (32 * warps)
+        ops = Counter(opcode(i) for i in loop).most_common(8)
+        print(f"{name}: {len(loop)} instructions per trip / {per_thread:.0f} values per thread = "
+              f"{len(loop) / per_thread:.2f} per value; {', '.join(f'{o} {n}' for o, n in ops)}")
