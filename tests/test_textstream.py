@@ -1,3 +1,5 @@
+import random
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -24,6 +26,18 @@ def test_never_splits_a_multibyte_character():
     pieces = [detok.push(i) for i in ids] + [detok.flush()]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_backend_decode_gives_the_wrapper_text():
+    # random bytes (invalid UTF-8 runs included) and special tokens: the Rust backend the
+    # detokenizer calls directly must give exactly what transformers' decode gives
+    tok = byte_tokenizer()
+    rng = random.Random(0)
+    ids = [rng.randrange(len(tok)) for _ in range(400)]
+    fast, wrapped = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
+    assert fast.backend is not None
+    wrapped.backend = None
+    assert [fast.push(i) for i in ids] + [fast.flush()] == [wrapped.push(i) for i in ids] + [wrapped.flush()]
 
 
 def test_assembler_splits_reasoning_and_honours_stop_strings():
