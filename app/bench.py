@@ -46,6 +46,14 @@ def spec_for(name: str, layers: int | None) -> ModelSpec:
     return ModelSpec.from_config(cfg)
 
 
+def dummy_model(name: str, layers: int | None):
+    """-> (spec, weights, model) of a registered model (first `layers` layers when given) with
+    random weights in its native format, built on the GPU."""
+    spec = spec_for(name, layers)
+    weights = dummy_weights(spec, device="cuda", dtype=torch.bfloat16)
+    return spec, weights, build_model(spec, weights, "cuda")
+
+
 def step_bytes(spec: ModelSpec, weights: dict, batch: int, context: int) -> int:
     """Bytes one decode step reads: every non-expert weight once (the embedding only for the
     batch's rows, vision tower not at all), the routed experts the batch selects (expected
@@ -160,11 +168,9 @@ def measure_image(engine, size: str, question_tokens: int = 50) -> dict:
 
 
 def bench_model(name: str, args) -> dict:
-    spec = spec_for(name, args.layers)
     batches = [int(x) for x in args.batch.split(",")]
     t0 = time.perf_counter()
-    weights = dummy_weights(spec, device="cuda", dtype=torch.bfloat16)
-    model = build_model(spec, weights, "cuda")
+    spec, weights, model = dummy_model(name, args.layers)
     torch.cuda.synchronize()
     total = weight_bytes(weights)
     print(f"{name}: {spec.num_layers} layers, weights {total / 1e9:.1f} GB built in {time.perf_counter() - t0:.1f} s",

@@ -10,12 +10,8 @@ import io
 import pstats
 import time
 
-import torch
-
-from localchat.app.bench import _finals, _request, make_engine, spec_for
-from localchat.engine.models import build_model
+from localchat.app.bench import _finals, _request, dummy_model, make_engine
 from localchat.engine.runtime.engine import Engine
-from localchat.engine.weights.dummy import dummy_weights
 from localchat.engine.weights.loader import weight_bytes
 
 p = argparse.ArgumentParser()
@@ -27,10 +23,8 @@ p.add_argument("--top", type=int, default=25)
 args = p.parse_args()
 
 for name in args.models.split(","):
-    spec = spec_for(name, args.layers)
-    weights = dummy_weights(spec, device="cuda", dtype=torch.bfloat16)
-    engine = make_engine(spec, build_model(spec, weights, "cuda"), weight_bytes(weights), 512, args.gen_len,
-                         args.batch, 0)
+    spec, weights, model = dummy_model(name, args.layers)
+    engine = make_engine(spec, model, weight_bytes(weights), 512, args.gen_len, args.batch, 0)
     engine.warmup()
     profile, steps, wall = cProfile.Profile(), [0], [0.0]
     plain_step = Engine._step

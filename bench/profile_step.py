@@ -7,11 +7,9 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from localchat.app.bench import spec_for
-from localchat.engine.models import build_model
+from localchat.app.bench import dummy_model
 from localchat.engine.runtime.forward_batch import ForwardBatch
 from localchat.engine.runtime.kv_cache import PagedKVCache
-from localchat.engine.weights.dummy import dummy_weights
 
 p = argparse.ArgumentParser()
 p.add_argument("models")
@@ -20,8 +18,7 @@ p.add_argument("--batch", type=int, default=1)
 p.add_argument("--context", type=int, default=512)
 args = p.parse_args()
 for name in args.models.split(","):
-    spec = spec_for(name, args.layers)
-    model = build_model(spec, dummy_weights(spec, device="cuda"), "cuda")
+    spec, _, model = dummy_model(name, args.layers)
     blocks = -(-(args.context + 1) // 16)
     cache = PagedKVCache(spec.num_layers, blocks * args.batch, 16, spec.num_kv_heads, spec.head_dim,
                          torch.bfloat16, "cuda")

@@ -14,10 +14,9 @@ import tempfile
 from collections import Counter
 
 import triton
-from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from hopper_compile import HOPPER, WORDS, WORDS_DOWN  # noqa: E402
+from hopper_compile import WORDS, WORDS_DOWN, compile_kernel  # noqa: E402
 
 from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel  # noqa: E402
 
@@ -26,12 +25,7 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 def sass(fn, types, constexprs: dict, num_warps: int, num_stages: int) -> str:
     """SASS of one specialization; pointers and strides marked 16-divisible, as at run time."""
-    names = fn.arg_names
-    signature = {n: "constexpr" if n in constexprs else types(n) for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))}
-    src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
-    kernel = triton.compile(src, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages))
+    kernel = compile_kernel(fn, types, constexprs, num_warps, num_stages, divisible=True)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()

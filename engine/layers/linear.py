@@ -2,8 +2,8 @@
 
 On CPU the weight is dequantized exactly (the reference path); on CUDA dense weights go to
 cuBLAS (or, for one token and a wide output, to the row-streaming GEMV, which reads the weight
-once in a single launch where cuBLAS splits K over two) and FP8 weights to the FP8 kernel, which reads the
-1-byte weights directly.
+once in a single launch where cuBLAS splits K over two) and FP8 weights to the FP8 kernel,
+which reads the 1-byte weights directly.
 """
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
 """The process of one tensor-parallel rank other than 0.
 
 It joins the process group, then serves rank 0's messages in order: load its slices, allocate
-its KV cache (both layer groups, like rank 0's) and decode graphs, and run every step's forward on the inputs rank 0 sends, or
-replay its own graph of a decode step, whose collectives meet rank 0's. Rank 0 samples; here the
-logits are only computed for the collectives they take part in. Any exception is sent to rank 0
-as text and ends the process; so does rank 0's process going away (its pipe closes, or, while
-this rank waits inside a collective, the watchdog sees the parent exit).
+its KV cache (both layer groups, like rank 0's) and decode graphs, and run every step's forward
+on the inputs rank 0 sends, or replay its own graph of a decode step, whose collectives meet
+rank 0's. Rank 0 samples; here the logits are only computed for the collectives they take part
+in. Any exception is sent to rank 0 as text and ends the process; so does rank 0's process
+going away (its pipe closes, or, while this rank waits inside a collective, the watchdog sees
+the parent exit).
 """
 from __future__ import annotations
 

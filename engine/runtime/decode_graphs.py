@@ -61,12 +61,12 @@ class DecodeGraphs:
         self.model, self.cache, self.dtype, self.device = model, cache, dtype, device
         self.sizes = bucket_sizes(max_batch)
         self.max_batch, self.max_blocks = self.sizes[-1], max_blocks
-        self.scratch_slot = scratch_block * cache.block_size
+        self.scratch_block = scratch_block
         self.capture = device.type == "cuda" if capture is None else capture
         n = self.max_batch
         self.token_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros((3, n) if mrope else (n,), dtype=torch.long, device=device)
-        self.slots = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
+        self.slots = torch.full((n,), scratch_block * cache.block_size, dtype=torch.int64, device=device)
         self.lens = torch.ones(n, dtype=torch.int32, device=device)
         self.tables = torch.full((n, max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.sliding_slots = self.sliding_tables = None
@@ -149,21 +149,14 @@ class DecodeGraphs:
                              f"graphs ({self.max_batch} / {self.max_blocks})")
         self.token_ids[:b].copy_(torch.tensor(token_ids, dtype=torch.long), non_blocking=True)
         self.positions[..., :b].copy_(positions, non_blocking=True)
-        self.slots[:b].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
         self.lens[:b].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        padded = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32)
-        self.tables[:b, :width].copy_(padded, non_blocking=True)
-        if sliding_tables is not None:
-            self.sliding_slots[:b].copy_(torch.tensor(sliding_slots, dtype=torch.int64), non_blocking=True)
-            padded = torch.tensor([t + [t[-1]] * (width - len(t)) for t in sliding_tables], dtype=torch.int32)
-            self.sliding_tables[:b, :width].copy_(padded, non_blocking=True)
         if b < size:  # rows of the bucket that an earlier, larger step left behind
-            self.slots[b:size].fill_(self.scratch_slot)
             self.lens[b:size].fill_(1)
-            self.tables[b:size, 0].fill_(self.scratch_slot // self.cache.block_size)
-            if sliding_tables is not None:
-                self.sliding_slots[b:size].fill_(self.sliding_scratch * self.cache.block_size)
-                self.sliding_tables[b:size, 0].fill_(self.sliding_scratch)
+        bs = self.cache.block_size
+        _load_group(self.slots, self.tables, self.scratch_block, bs, slots, tables, size, width)
+        if sliding_tables is not None:
+            _load_group(self.sliding_slots, self.sliding_tables, self.sliding_scratch, bs, sliding_slots,
+                        sliding_tables, size, width)
         if not self.capture:
             with torch.inference_mode():
                 return self._step(size)[:b]
@@ -173,3 +166,17 @@ class DecodeGraphs:
         self.graphs[size].replay()
         self.replays += 1
         return self.outputs[size][:b]
+
+
+def _load_group(slot_buf: torch.Tensor, table_buf: torch.Tensor, scratch_block: int, block_size: int,
+                slots: list[int], tables: list[list[int]], size: int, width: int) -> None:
+    """One KV group's inputs into its static buffers: the B sequences' slots and the first
+    `width` table columns (short tables padded with their last block) into rows [0, B); rows
+    [B, size) of the bucket write to and read only the group's scratch block."""
+    b = len(slots)
+    slot_buf[:b].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
+    padded = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32)
+    table_buf[:b, :width].copy_(padded, non_blocking=True)
+    if b < size:
+        slot_buf[b:size].fill_(scratch_block * block_size)
+        table_buf[b:size, 0].fill_(scratch_block)

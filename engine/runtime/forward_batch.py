@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kv_cache import slot_of
+
 
 @dataclass
 class ForwardBatch:
@@ -70,10 +72,8 @@ def _slots_and_tables(tables: list[list[int]], spans: list[tuple[int, int]], blo
                       device) -> tuple[torch.Tensor, torch.Tensor]:
     """Slots [T] int64 of tokens [cached, cached + new) of each sequence, and the tables padded
     with 0 (entries past a context are never read) as [B, max_blocks] int32."""
-    slots = []
-    for table, (cached, new) in zip(tables, spans):
-        for p in range(cached, cached + new):
-            slots.append(table[p // block_size] * block_size + p % block_size)
+    slots = [slot_of(table, p, block_size) for table, (cached, new) in zip(tables, spans)
+             for p in range(cached, cached + new)]
     width = max(len(t) for t in tables)
     padded = [t + [0] * (width - len(t)) for t in tables]
     return (torch.tensor(slots, dtype=torch.int64, device=device),

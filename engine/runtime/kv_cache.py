@@ -60,6 +60,11 @@ class PagedKVCache:
         vf.index_copy_(0, slot_mapping, v.to(vf.dtype))
 
 
+def slot_of(table: list[int], position: int, block_size: int) -> int:
+    """The cache slot of token `position` of a sequence whose blocks are `table`."""
+    return table[position // block_size] * block_size + position % block_size
+
+
 def first_window_block(position: int, window: int, block_size: int) -> int:
     """The first block a query at `position` can see through a window: keys j with
     position - window < j, so blocks wholly before it are never read again by any later query."""

@@ -97,18 +97,20 @@ def match_windowed_prefix(pool: BlockPool, sliding: BlockPool, keys: list[bytes]
     0..L-1 and the sliding pool the blocks from first_window_block(L * block_size) to L - 1.
     Takes a reference to each block used. Returns (full blocks, sliding table with `placeholder`
     before the window, number of placeholder entries)."""
-    found = 0
-    while found < len(keys) and pool.lookup(keys[found]) is not None:
-        found += 1
-    held = [sliding.lookup(k) is not None for k in keys[:found]]
+    found: list[int] = []  # the full pool's leading run
+    for k in keys:
+        b = pool.lookup(k)
+        if b is None:
+            break
+        found.append(b)
+    held = [sliding.lookup(k) for k in keys[:len(found)]]
     usable, first = 0, 0
-    for n in range(found, 0, -1):
+    for n in range(len(found), 0, -1):
         start = first_window_block(n * block_size, window, block_size)
-        if all(held[start:n]):
+        if all(b is not None for b in held[start:n]):
             usable, first = n, start
             break
-    blocks = [pool.lookup(k) for k in keys[:usable]]
-    windowed = [sliding.lookup(k) for k in keys[first:usable]]
+    blocks, windowed = found[:usable], held[first:usable]
     for b in blocks:
         pool.take_cached(b)
     for b in windowed:

@@ -18,7 +18,7 @@ import torch
 
 from .decode_graphs import DecodeGraphs, DecodeInputs
 from .forward_batch import ForwardBatch
-from .kv_cache import PagedKVCache, SplitKVCache
+from .kv_cache import PagedKVCache, SplitKVCache, slot_of
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -98,11 +98,11 @@ class StepRunner:
         positions = torch.tensor([seq.position_at(p) for seq, p in zip(seqs, pos)])  # [B] or [B, 3]
         sliding_slots = sliding_tables = None
         if self.split:
-            sliding_slots = [seq.sliding_blocks[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)]
+            sliding_slots = [slot_of(seq.sliding_blocks, p, bs) for seq, p in zip(seqs, pos)]
             sliding_tables = [seq.sliding_blocks for seq in seqs]
         return DecodeInputs([seq.tokens[p] for seq, p in zip(seqs, pos)],
                             positions.T.contiguous() if positions.dim() == 2 else positions,
-                            [seq.blocks[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)],
+                            [slot_of(seq.blocks, p, bs) for seq, p in zip(seqs, pos)],
                             [p + 1 for p in pos], [seq.blocks for seq in seqs], sliding_slots, sliding_tables)
 
     def _run_graph(self, plan: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:

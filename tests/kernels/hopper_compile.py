@@ -20,12 +20,17 @@ def _types(overrides: dict[str, str]):
     return lambda name: overrides.get(name, "i32")
 
 
-def compile_kernel(fn, types, constexprs: dict, num_warps: int = 4, num_stages: int = 1) -> None:
+def compile_kernel(fn, types, constexprs: dict, num_warps: int = 4, num_stages: int = 1, divisible: bool = False):
+    """The compiled sm_90 kernel. divisible: pointers and strides marked 16-divisible, as the
+    launcher specialises them at run time (what the SASS then shows)."""
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else types(n) for n in names}
-    src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if divisible and n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))}
+    src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
     kernel = triton.compile(src, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages))
     assert len(kernel.asm.get("cubin", b"")) > 0, "no cubin"
+    return kernel
 
 
 WORDS = _types({"x_ptr": "*bf16", "a_ptr": "*bf16", "bg_ptr": "*bf16", "bu_ptr": "*bf16", "b_ptr": "*bf16",
