@@ -1,6 +1,6 @@
 """Sweep MoE kernel configs at decode sizes on one GPU and print GB/s against the copy ceiling.
 
-    python bench/bench_moe_sweep.py [--ts 1,8,32] [--only mxfp4,fp8_channel,fp8_block,mxfp4_20b] [--tile] [--tiles] [--split]
+    python bench/bench_moe_sweep.py [--ts 1,8,32] [--only mxfp4,fp8_channel,fp8_block,mxfp4_20b] [--tile] [--tiles] [--half2]
 
 Cases: gpt-oss-120b MXFP4 (E=128, k=4, H=I=2880), GLM-4.5V FP8 channel and 128x128-block
 (E=128, k=8, H=4096, I=1408), gpt-oss-20b (E=32, defaults only), random weights. Each timing is a CUDA graph of 20 fused_moe calls,
@@ -63,10 +63,9 @@ STAGED_ROW_CANDIDATES = {"mxfp4": [(1, 8, 256, 1, 3), (1, 16, 256, 2, 3), (1, 8,
                          "fp8_block": [(1, 16, 256, 4, 3), (1, 32, 128, 4, 3)]}
 
 
-# (block_n, block_k, num_warps, num_stages, split_k) of the MXFP4 word-decode row kernels with K
-# split over several programs (--split): more warps per SM at 1-8 tokens
-SPLIT_CANDIDATES = [(8, 256, 1, 3, 1), (8, 256, 1, 3, 2), (8, 256, 1, 3, 3), (8, 256, 1, 3, 4), (8, 256, 1, 3, 6),
-                    (16, 256, 2, 3, 2), (16, 256, 2, 3, 4), (8, 512, 1, 3, 3)]
+# (block_n, block_k, num_warps, num_stages) of the MXFP4 packed-f16 row kernels (--half2)
+HALF2_CANDIDATES = [(8, 256, 1, 3), (16, 256, 2, 3), (32, 256, 4, 3), (16, 512, 4, 3), (8, 512, 2, 3),
+                    (32, 512, 8, 3)]
 
 
 def make_case(fmt, e, h, i):
@@ -81,6 +80,15 @@ def expert_bytes(experts) -> int:
         parts = (w.blocks, w.scales) if isinstance(w, Mxfp4Weight) else (w.weight, w.scale)
         total += sum(p[0].numel() * p.element_size() for p in parts)
     return total
+
+
+def random_routings(fmt, t, e, k) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """CALLS routings (weights, ids) of t tokens from random logits, by the format's model family."""
+    out = []
+    for _ in range(CALLS):
+        logits = torch.randn(t, e, device="cuda")
+        out.append(route_gpt_oss(logits, k) if fmt == "mxfp4" else route_glm(logits, None, k))
+    return out
 
 
 def graph_time_us(fn_list) -> float:
@@ -131,16 +139,13 @@ def new_config(fmt, bm, bn, bk, nw):
     return MoeConfig(bm, bn, bk, nw, 1, gemv=True, mx_words=fmt == "mxfp4", prefetch=True)
 
 
-def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile, candidates=True, tiles=False, split=False):
+def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile, candidates=True, tiles=False, half2=False):
     experts = make_case(fmt, e, h, i)
     per_expert = expert_bytes(experts)
     fmt_code = {"mxfp4": 3, "fp8_channel": 1, "fp8_block": 2}[fmt]
     for t in ts:
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-        routings = []
-        for _ in range(CALLS):
-            logits = torch.randn(t, e, device="cuda")
-            routings.append(route_gpt_oss(logits, k) if fmt == "mxfp4" else route_glm(logits, None, k))
+        routings = random_routings(fmt, t, e, k)
         nbytes = per_expert * sum(ids.unique().numel() for _, ids in routings) / CALLS
         # errors are against the per-chunk-reduction gemv default (the previous default)
         cur = default_config(t * k, e, fmt_code, True, 2)
@@ -156,9 +161,9 @@ def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile, candidates=True, tile
         for spec in NEW_CANDIDATES[fmt].get(t, NEW_CANDIDATES[fmt][32]) if candidates and not tiles else []:
             cfg = new_config(fmt, *spec)
             cands.append((_label(cfg), cfg))
-        for bn, bk, nw, ns, sk in SPLIT_CANDIDATES if split and fmt == "mxfp4" else []:
-            cfg = MoeConfig(1, bn, bk, nw, ns, gemv=True, mx_words=True, split_k=sk)
-            cands.append((_label(cfg) + f" s{ns} split{sk}", cfg))
+        for bn, bk, nw, ns in HALF2_CANDIDATES if half2 and fmt == "mxfp4" else []:
+            cfg = MoeConfig(1, bn, bk, nw, ns, gemv=True, mx_half2=True)
+            cands.append((_label(cfg) + f" s{ns}", cfg))
         for bm, bn, bk, nw, ns in STAGED_ROW_CANDIDATES[fmt] if tiles else []:
             cfg = MoeConfig(bm, bn, bk, nw, ns, gemv=True, mx_words=fmt == "mxfp4" and bk <= 256)
             cands.append((_label(cfg) + f" s{ns}", cfg))
@@ -196,7 +201,7 @@ def _label(cfg):
     if not cfg.gemv:
         decode = "" if cfg.mx_dot_scaled else " bit-decode"
         return f"tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{decode}"
-    kind = ("words" if cfg.mx_words else "stream" if cfg.prefetch else "gemv") + (" pf" if cfg.prefetch and cfg.mx_words else "")
+    kind = ("half2" if cfg.mx_half2 else "words" if cfg.mx_words else "stream" if cfg.prefetch else "gemv") + (" pf" if cfg.prefetch and cfg.mx_words else "")
     regs = f" r{cfg.max_registers}" if cfg.max_registers else ""
     return f"{kind} m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps}{regs}"
 
@@ -206,7 +211,8 @@ def main():
     parser.add_argument("--ts", default="1,8,32")
     parser.add_argument("--only", default="mxfp4,fp8_channel,fp8_block,mxfp4_20b")
     parser.add_argument("--tile", action="store_true", help="also time the tensor-core tile kernel")
-    parser.add_argument("--split", action="store_true", help="time MXFP4 K splits (SPLIT_CANDIDATES) instead")
+    parser.add_argument("--half2", action="store_true", help="time the MXFP4 packed-f16 kernels (HALF2_CANDIDATES) "
+                        "instead")
     parser.add_argument("--tiles", action="store_true", help="sweep tensor-core tiles (TILE_CANDIDATES) "
                         "instead of the row-kernel candidates")
     args = parser.parse_args()
@@ -223,8 +229,8 @@ def main():
     for key, *case in cases:
         if key in args.only.split(","):
             # gpt-oss-20b: the defaults only, against the previous default
-            sweep_case(*case, ts, rows, args.tile, candidates=key != "mxfp4_20b" and not args.split, tiles=args.tiles,
-                       split=args.split)
+            sweep_case(*case, ts, rows, args.tile, candidates=key != "mxfp4_20b" and not args.half2,
+                       tiles=args.tiles, half2=args.half2)
     _flush(rows)
 
 

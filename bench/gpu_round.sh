@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round of GPU checks on a CUDA machine where the package is not installed. Steps are chosen
-# with STEPS (default: all but the last two): kernels, model, runtime, serve, kernel-bench,
-# moe-split (MXFP4 split-K timings), host (engine host-time profile). Logs go to $OUT.
+# with STEPS (default: all but the last three): kernels, model, runtime, serve, kernel-bench,
+# host (engine host-time profile), breakdown (time per MoE kernel), moe-half2 (MXFP4 packed-f16 timings). Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -16,6 +16,7 @@ step model && timeout "${MODEL_TESTS_S:-200}" python3 -m pytest -m gpu tests/gpu
 step runtime && timeout "${RUNTIME_TESTS_S:-90}" python3 -m pytest -m gpu tests/runtime -q -s -p no:cacheprovider 2>&1 | tee "$OUT/runtime_gpu.log" | tail -15
 step serve && timeout "${SERVE_S:-300}" python3 bench/bench_decode.py ${SERVE_ARGS:-gpt-oss-20b,gpt-oss-120b,glm-4.5v-fp8 --dummy --gen-len 64} --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | tail -40
 step kernel-bench && timeout "${BENCH_S:-100}" python3 bench/bench_kernels.py ${BENCH_ARGS:---sweep} 2>&1 | tee "$OUT/bench.log" | tail -60
-step moe-split && timeout "${SPLIT_S:-120}" python3 bench/bench_moe_sweep.py --split --ts 1,2,4,8 --only mxfp4,mxfp4_20b 2>&1 | tee "$OUT/split.log" | grep best
 step host && timeout "${HOST_S:-100}" python3 bench/profile_host.py glm-4.5v-fp8,gpt-oss-20b --layers 2 --batch 32 2>&1 | tee "$OUT/host.log" | grep "ms per step"
+step moe-half2 && timeout "${HALF2_S:-150}" python3 bench/bench_moe_sweep.py --half2 --ts ${HALF2_TS:-1,8,32,64} --only mxfp4,mxfp4_20b 2>&1 | tee "$OUT/half2.log" | grep best
+step breakdown && timeout "${BREAKDOWN_S:-90}" python3 bench/moe_breakdown.py ${BREAKDOWN_ARGS:---ts 1,8 --words} 2>&1 | tee "$OUT/breakdown.log"
 exit 0

@@ -16,8 +16,9 @@ from collections import Counter
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from hopper_compile import WORDS, WORDS_DOWN, compile_kernel  # noqa: E402
+from hopper_compile import HALF2, HALF2_DOWN, WORDS, WORDS_DOWN, compile_kernel  # noqa: E402
 
+from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel  # noqa: E402
 from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -52,15 +53,19 @@ def opcode(ins: str) -> str:
 
 CASES = [  # name, kernel, types, constexprs, warps, stages, weight values per program per trip
     ("gate/up words n8 k256 w1 (1 token)", moe_gate_up_words_kernel, WORDS,
-     dict(SORTED=False, ACT=1, HAS_BIAS=True, X_BF16=True, PREFETCH=False, SPLIT_K=1, BLOCK_M=1, BLOCK_N=8,
+     dict(SORTED=False, ACT=1, HAS_BIAS=True, X_BF16=True, PREFETCH=False, BLOCK_M=1, BLOCK_N=8,
           BLOCK_K=256), 1, 3, 2 * 8 * 256),
     ("gate/up words n16 k256 w2 (32 tokens)", moe_gate_up_words_kernel, WORDS,
-     dict(SORTED=False, ACT=1, HAS_BIAS=True, X_BF16=True, PREFETCH=False, SPLIT_K=1, BLOCK_M=1, BLOCK_N=16,
+     dict(SORTED=False, ACT=1, HAS_BIAS=True, X_BF16=True, PREFETCH=False, BLOCK_M=1, BLOCK_N=16,
           BLOCK_K=256), 2, 3, 2 * 16 * 256),
     ("down words n16 k256 w2 (32 tokens)", moe_down_words_kernel, WORDS_DOWN,
-     dict(SORTED=False, HAS_BIAS=True, X_BF16=True, PREFETCH=False, SPLIT_K=1, BLOCK_M=1, BLOCK_N=16,
+     dict(SORTED=False, HAS_BIAS=True, X_BF16=True, PREFETCH=False, BLOCK_M=1, BLOCK_N=16,
           BLOCK_K=256), 2, 3, 16 * 256),
-]
+] + [(f"{kind} half2 n{bn} k{bk} w{w}", fn, types, dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=bn, BLOCK_K=bk), w,
+       3, mats * bn * bk)
+      for kind, fn, types, mats in (("gate/up", moe_gate_up_half2_kernel, HALF2, 2),
+                                    ("down", moe_down_half2_kernel, HALF2_DOWN, 1))
+      for bn, bk, w in ((8, 256, 1), (16, 512, 4))]
 
 if __name__ == "__main__":
     for name, fn, types, constexprs, warps, stages, values in CASES:

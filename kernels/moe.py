@@ -4,9 +4,8 @@ Pipeline (5 launches, all shapes fixed by T, k, E: safe inside a CUDA graph):
 moe_align (group pairs by expert) -> moe_gate_up_kernel (gate and up GEMMs with the GLU fused)
 -> moe_down_kernel (down GEMM, down bias and routing weight fused) -> moe_combine_kernel.
 At decode sizes the row-streaming kernels (moe_gemv*.py) take one pair per program and skip
-moe_align; with MoeConfig.split_k they split K over several programs (more loads in flight at
-1-8 tokens): gate/up partial sums are added and activated by moe_glu_splits_kernel, down partial
-sums by the combine, both in a fixed order.
+moe_align; for MXFP4 experts with gpt-oss's clamped SwiGLU they run on packed f16 FMAs
+(moe_gemv_half2.py, one more small launch that scales the activations).
 Routing (topk_weights, topk_ids) comes from kernels/moe_routing.py.
 
 Weights stay in their checkpoint format (kernels/moe_gemm.py lists the four). The expert
@@ -29,8 +28,9 @@ from .moe_align import moe_align
 from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4,
                        moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
 from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
+from .moe_gemv_half2 import act_scale_exp, moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
 from .moe_gemv_stream import moe_down_stream_kernel, moe_gate_up_stream_kernel
-from .moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel, moe_glu_splits_kernel
+from .moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
 
 ACTIVATIONS = {"silu_glu": ACT_SILU_GLU, "swiglu_clamped": ACT_SWIGLU_OAI}
 
@@ -75,7 +75,7 @@ class MoeConfig:
     mx_words: bool = False  # MXFP4 row streaming: decode int32 words of 8 codes (kernels/moe_gemv.py)
     prefetch: bool = False  # row streaming with the next K chunk in flight (MXFP4 words; dense/FP8 stream kernels)
     max_registers: int = 0  # registers per thread the compiler may use (0: its choice), for occupancy
-    split_k: int = 1  # MXFP4 word decode, one pair per program: K split over this many programs
+    mx_half2: bool = False  # MXFP4 row kernels on packed f16 FMAs, one pair per program (kernels/moe_gemv_half2.py)
 
 
 def _rows(w: LinearWeight, rows: slice) -> LinearWeight:
@@ -117,24 +117,25 @@ SHARED_MEMORY_BUDGET = 200 * 1024
 def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2) -> MoeConfig:
     """Tile sizes by the expected pairs per expert (uniform routing). Each choice below is the
     fastest measured at that load on an H200 (bench/bench_moe_sweep.py, bench/NOTES-moe.md).
-    MXFP4: the word-decode row kernels with one pair per program up to two pairs per expert
-    (gpt-oss-120b to 64 tokens, gpt-oss-20b to 16), then tensor-core tiles. FP8: row kernels up
+    MXFP4: the packed-f16 row kernels with one pair per program up to four pairs per expert
+    (gpt-oss-120b to 128 tokens, gpt-oss-20b to 32), then tensor-core tiles; fused_moe falls back
+    to the word-decode kernels for experts other than gpt-oss's clamped SwiGLU. FP8: row kernels up
     to one pair per expert (GLM-4.5V to 16 tokens; block scales over two scale blocks per K step
-    up to half a pair, channel scales with the next chunk in flight at 1 token), then tiles."""
+    up to half a pair, channel scales with the next chunk in flight at 1-2 tokens), then tiles."""
     if not on_gpu:
         return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
     per_expert = num_pairs / max(num_experts, 1)
-    if fmt == FMT_MXFP4 and per_expert <= 2:
-        if per_expert <= 0.5:
-            return MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True)
-        return MoeConfig(1, 16, 256, 2, 3, gemv=True, mx_words=True)
+    if fmt == FMT_MXFP4 and per_expert <= 4:
+        if per_expert <= 0.125:
+            return MoeConfig(1, 16, 512, 4, 3, gemv=True, mx_half2=True)
+        return MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_half2=True)
     if fmt != FMT_MXFP4 and per_expert <= 1:
         if fmt == FMT_FP8_BLK:
             if per_expert <= 0.5:
                 return MoeConfig(1, 16, 256, 4, 1, gemv=True)
             return MoeConfig(1, 32, 128, 4, 1, gemv=True)
-        if fmt == FMT_FP8_ROW and per_expert <= 0.1:
-            return MoeConfig(1, 16, 512, 4, 1, gemv=True, prefetch=True)
+        if fmt == FMT_FP8_ROW and per_expert <= 0.125:
+            return MoeConfig(1, 32, 256, 4, 1, gemv=True, prefetch=True)
         return MoeConfig(1, 16, 256, 4, 1, gemv=True)
     block_k = 256 if fmt == FMT_MXFP4 else 128
     if fmt == FMT_MXFP4 and per_expert <= 16:
@@ -184,12 +185,6 @@ def _fp8_block_k_fits(cfg: MoeConfig, scale_block_k: int) -> bool:
     return cfg.gemv and pow2 and cfg.block_k % scale_block_k == 0
 
 
-def _k_splits(k: int, cfg: MoeConfig) -> tuple[int, int]:
-    """(K per split, a multiple of block_k; number of splits) for cfg.split_k over a K of k."""
-    step = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    return step, triton.cdiv(k, step)
-
-
 def _check(t: torch.Tensor, what: str) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{what} must be contiguous along K (stride 1), got strides {t.stride()}")
@@ -221,6 +216,9 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     on_gpu = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     cfg = config or default_config(t * k, e, fmt, on_gpu, x.element_size())
     blk_ks = [b[1] for f, b in ((fmt, sblock), (fmt_d, sdblock)) if f == FMT_FP8_BLK]
+    if config is None and cfg.mx_half2 and (experts.activation != "swiglu_clamped" or fmt_d != FMT_MXFP4):
+        # the packed-f16 kernels bound the GLU output by the clamp; other experts decode words
+        cfg = replace(cfg, mx_half2=False, mx_words=True)
     if config is None and not all(_fp8_block_k_fits(cfg, bk) for bk in blk_ks):
         # a default K step inside one scale block, whatever the checkpoint's block size
         cfg = replace(cfg, block_k=math.gcd(cfg.block_k, *blk_ks))
@@ -236,10 +234,9 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
             if f == FMT_FP8_BLK and b[0] % cfg.block_n:
                 raise ValueError(f"the prefetching row kernels need block_n {cfg.block_n} to divide the FP8 "
                                  f"scale block {b}")
-    if cfg.split_k > 1 and not (cfg.gemv and cfg.mx_words and cfg.block_m == 1 and fmt == fmt_d == FMT_MXFP4):
-        raise ValueError(f"split_k {cfg.split_k} needs MXFP4 experts on the word-decode row kernels with one pair "
-                         "per program (gemv=True, mx_words=True, block_m=1)")
     num_pairs = t * k
+    if cfg.mx_half2:
+        return _fused_moe_half2(x, experts, topk_weights, topk_ids, cfg, out)
     if cfg.gemv and cfg.block_m == 1:
         # one program per pair, in pair order: no grouping pass needed
         block_expert = topk_ids.reshape(-1)
@@ -272,19 +269,12 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     if words_up:
         # int32 words of 8 codes, strides in 16-byte groups (rows are whole 32-value groups)
         wg32, wu32 = wg.view(torch.int32), wu.view(torch.int32)
-        k_step, splits = _k_splits(h, cfg)
-        part = torch.empty((splits, num_pairs, 2, i), dtype=torch.float32, device=x.device) if splits > 1 else act
-        act_meta = dict(ACT=ACTIVATIONS[experts.activation], HAS_BIAS=has_bias)
-        moe_gate_up_words_kernel[(b_max, triton.cdiv(i, cfg.block_n), splits)](
+        moe_gate_up_words_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             x, x.stride(0), wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4, *scales_biases,
-            act, act.stride(0), part, sorted_ids, block_expert, num_pairs, i, h, k_step, k,
+            act, act.stride(0), sorted_ids, block_expert, num_pairs, i, h, k,
             float(experts.alpha), float(experts.limit), SORTED=sorted_pairs, X_BF16=x_bf16, PREFETCH=cfg.prefetch,
-            SPLIT_K=splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **act_meta, **launch)
-        if splits > 1:
-            glu_n = min(1024, triton.next_power_of_2(i))
-            moe_glu_splits_kernel[(num_pairs, triton.cdiv(i, glu_n))](
-                part, bg, bu, *bias_strides, act, act.stride(0), block_expert, num_pairs, i,
-                float(experts.alpha), float(experts.limit), SPLIT_K=splits, BLOCK_N=glu_n, **act_meta)
+            ACT=ACTIVATIONS[experts.activation], HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, **launch)
     elif stream_up:
         moe_gate_up_stream_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             *gate_up_args, SORTED=sorted_pairs, **gate_up_meta)
@@ -294,8 +284,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     else:
         moe_gate_up_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             *gate_up_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **gate_up_meta)
-    down_k_step, down_splits = _k_splits(i, cfg) if words_down else (i, 1)
-    y = torch.empty((down_splits * num_pairs, h), dtype=torch.float32, device=x.device)
+    y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias = experts.down_bias is not None
     bd = experts.down_bias if has_down_bias else x
     pair_weights = topk_weights.reshape(-1).to(torch.float32)
@@ -306,10 +295,10 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
     if words_down:
         wd32 = wd.view(torch.int32)
-        moe_down_words_kernel[(b_max, triton.cdiv(h, cfg.block_n), down_splits)](
-            act, act.stride(0), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, *down_args[5:], down_k_step,
+        moe_down_words_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
+            act, act.stride(0), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, *down_args[5:],
             SORTED=sorted_pairs, HAS_BIAS=has_down_bias, X_BF16=x_bf16, PREFETCH=cfg.prefetch,
-            SPLIT_K=down_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
     elif stream_down:
         moe_down_stream_kernel[(b_max, triton.cdiv(h, cfg.block_n))](*down_args, SORTED=sorted_pairs, **down_meta)
     elif cfg.gemv:
@@ -318,8 +307,57 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         moe_down_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
             *down_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **down_meta)
     block_h = min(1024, triton.next_power_of_2(h))
-    moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_ids, out, h, num_pairs, TOP_K=k, SPLITS=down_splits,
-                                                    BLOCK_H=block_h)
+    moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_ids, out, h, TOP_K=k, BLOCK_H=block_h)
+    return out
+
+
+def _fused_moe_half2(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     cfg: MoeConfig, out: torch.Tensor) -> torch.Tensor:
+    """fused_moe on kernels/moe_gemv_half2.py: activations to f16 pairs (one launch), gate/up with
+    the clamped SwiGLU, down with the routing weight, combine."""
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    i = experts.intermediate_size
+    mx = all(isinstance(w, Mxfp4Weight) for w in (experts.gate, experts.up, experts.down))
+    if not (mx and cfg.gemv and cfg.block_m == 1 and experts.activation == "swiglu_clamped"):
+        raise ValueError("mx_half2 needs MXFP4 experts with the clamped SwiGLU (gpt-oss) on the row kernels with "
+                         "one pair per program (gemv=True, block_m=1)")
+    if x.dtype not in (torch.bfloat16, torch.float16) or cfg.block_k % 32:
+        raise ValueError(f"mx_half2 needs bf16/fp16 activations and block_k a multiple of 32, got {x.dtype}, "
+                         f"{cfg.block_k}")
+    _, wg, sg, s_strides, _ = _kernel_weight(experts.gate)
+    _, wu, su, _, _ = _kernel_weight(experts.up)
+    _, wd, sd, sd_strides, _ = _kernel_weight(experts.down)
+    wg32, wu32, wd32 = wg.view(torch.int32), wu.view(torch.int32), wd.view(torch.int32)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1" or not x.is_cuda
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    num_pairs = t * k
+    expert_ids = topk_ids.reshape(-1)
+    xq = torch.empty((t, h), dtype=torch.float16, device=x.device)
+    x_inv_scale = torch.empty((t,), dtype=torch.float32, device=x.device)
+    mx_half2_x_kernel[(t,)](x, x.stride(0), xq, x_inv_scale, h, BLOCK_H=triton.next_power_of_2(h))
+    has_bias = experts.gate_bias is not None
+    bg = experts.gate_bias if has_bias else x
+    bu = experts.up_bias if has_bias else x
+    if has_bias and bg.stride() != bu.stride():
+        raise ValueError("gate and up biases must share strides")
+    act_exp = act_scale_exp(experts.limit)
+    act = torch.empty((num_pairs, i), dtype=torch.float16, device=x.device)
+    moe_gate_up_half2_kernel[(num_pairs, triton.cdiv(i, cfg.block_n))](
+        xq.view(torch.int32), x_inv_scale, wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4, sg, su, *s_strides,
+        bg, bu, *((bg.stride(0), bg.stride(1)) if has_bias else (0, 0)), act, float(2.0 ** act_exp), expert_ids,
+        i, h, k, float(experts.alpha), float(experts.limit), HAS_BIAS=has_bias, INTERPRET=interpret,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+    y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
+    has_down_bias = experts.down_bias is not None
+    bd = experts.down_bias if has_down_bias else x
+    moe_down_half2_kernel[(num_pairs, triton.cdiv(h, cfg.block_n))](
+        act.view(torch.int32), float(2.0 ** -act_exp), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, sd,
+        *sd_strides, bd, bd.stride(0) if has_down_bias else 0, topk_weights.reshape(-1).to(torch.float32), y,
+        y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+    block_h = min(1024, triton.next_power_of_2(h))
+    moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_ids, out, h, TOP_K=k, BLOCK_H=block_h)
     return out
 
 

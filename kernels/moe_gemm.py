@@ -188,11 +188,10 @@ def moe_down_kernel(
 
 
 @triton.jit
-def moe_combine_kernel(y_ptr, ids_ptr, out_ptr, H, num_pairs, TOP_K: tl.constexpr, SPLITS: tl.constexpr,
-                       BLOCK_H: tl.constexpr):
-    """out[t, :] = sum_s sum_j y[s * num_pairs + t * TOP_K + j, :] (y float32 [SPLITS * T*k, H]:
-    one block of rows per K split of the down GEMM) cast to out's dtype, over the pairs whose
-    expert id (ids [T*k]) is not -1: those rows were never written. Fixed summation order."""
+def moe_combine_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t, :] = sum_j y[t * TOP_K + j, :] (y float32 [T*k, H]) cast to out's dtype, over the
+    pairs whose expert id (ids [T*k]) is not -1: those rows were never written. Fixed summation
+    order."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H
@@ -200,6 +199,5 @@ def moe_combine_kernel(y_ptr, ids_ptr, out_ptr, H, num_pairs, TOP_K: tl.constexp
     for j in tl.static_range(TOP_K):
         # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
         here = (h * 0 + tl.load(ids_ptr + t * TOP_K + j)) >= 0
-        for s in tl.static_range(SPLITS):
-            acc += tl.load(y_ptr + (s * num_pairs + t * TOP_K + j) * H + h, mask=mask & here, other=0.0)
+        acc += tl.load(y_ptr + (t * TOP_K + j) * H + h, mask=mask & here, other=0.0)
     tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=mask)

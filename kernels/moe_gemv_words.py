@@ -3,8 +3,9 @@
 Each word is decoded two values per 32-bit operation into bf16 bit patterns (no float conversion
 instruction), then widened to float32 by a shift or a mask. The decode costs about 3 integer
 operations per weight value against about 7 plus a conversion per value for the code-by-code
-path (half the instructions per value overall); what is left limiting these kernels at decode
-sizes is the number of loads in flight per SM (bench/NOTES-moe.md).
+path (half the instructions per value overall). gpt-oss's experts run on the packed-f16 kernels
+of moe_gemv_half2.py instead (about 2.8 instructions per value, bench/NOTES-moe.md); these
+serve MXFP4 experts with other activations.
 The decoded value is E2M1 * 2^-126 (code 1 is a float32 subnormal, which the GPU keeps: no
 flush-to-zero in Triton's float arithmetic), so activations are scaled by 2^100 on load to keep
 the products normal, and the E8M0 group multiplier carries the remaining 2^26.
@@ -118,19 +119,6 @@ def _mx_words_dot(t0, t1, t2, t3, mult, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
-def _split_range(split, k_per_split, K, SPLIT_K: tl.constexpr):
-    """K range [k_lo, k_hi) of program `split`; the whole row without a split. Weights past k_hi
-    are masked, so the prefetch after a split's last chunk reads nothing."""
-    if SPLIT_K > 1:
-        k_lo = split * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
-    else:
-        k_lo = 0
-        k_hi = K
-    return k_lo, k_hi
-
-
-@triton.jit
 def _slot_sums(a0, a1, a2, a3, BLOCK_M: tl.constexpr):
     """Per-slot [BLOCK_N, G] accumulators -> [BLOCK_N, BLOCK_M] row sums."""
     cols = tl.arange(0, BLOCK_M)[None, :]
@@ -149,26 +137,20 @@ def moe_gate_up_words_kernel(
         wg_ptr, wu_ptr, stride_we, stride_wn,
         sg_ptr, su_ptr, stride_se, stride_sn, stride_sk,
         bg_ptr, bu_ptr, stride_be, stride_bn,
-        out_ptr, stride_ot, part_ptr,
-        pair_ptr, expert_ptr, num_pairs, N, K, k_per_split, top_k, alpha, limit,
+        out_ptr, stride_ot,
+        pair_ptr, expert_ptr, num_pairs, N, K, top_k, alpha, limit,
         SORTED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
-        PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """moe_gate_up_gemv_kernel for MXFP4 by word decode: wg/wu are int32 views with strides in
     16-byte groups. Each chunk is decoded once for the block's pairs (BLOCK_M <= 4), gate and up
     share one activation load per pair, and the per-group partial sums are kept per row and
     group (one cross-thread reduction at the end instead of one per chunk). PREFETCH: the next
-    chunk's weights are requested before this chunk is decoded (register double buffering).
-    SPLIT_K > 1 (one pair per program): program (m, n, s) covers K range
-    [s * k_per_split, (s + 1) * k_per_split) and stores its float32 gate and up sums to
-    part [SPLIT_K, num_pairs, 2, N]; moe_glu_splits_kernel adds them and applies the GLU."""
+    chunk's weights are requested before this chunk is decoded (register double buffering)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    split = tl.program_id(2)
     e, pairs, valid = _block_pairs(pair_ptr, expert_ptr, pid_m, num_pairs, SORTED, BLOCK_M)
     if e < 0:
         return
-    k_lo, k_hi = _split_range(split, k_per_split, K, SPLIT_K)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     BLOCK_G: tl.constexpr = BLOCK_K // 32
@@ -178,21 +160,21 @@ def moe_gate_up_words_kernel(
     tok = tl.where(valid, pairs // top_k, 0).to(tl.int64)
     cols = tl.arange(0, BLOCK_M)
     if PREFETCH:
-        nwg, nsg = _mx_words_raw(wg_ptr, sg_ptr, e, n, n_mask, k_lo, k_hi, stride_we, stride_wn, stride_se,
+        nwg, nsg = _mx_words_raw(wg_ptr, sg_ptr, e, n, n_mask, 0, K, stride_we, stride_wn, stride_se,
                                  stride_sn, stride_sk, BLOCK_K)
-        nwu, nsu = _mx_words_raw(wu_ptr, su_ptr, e, n, n_mask, k_lo, k_hi, stride_we, stride_wn, stride_se,
+        nwu, nsu = _mx_words_raw(wu_ptr, su_ptr, e, n, n_mask, 0, K, stride_we, stride_wn, stride_se,
                                  stride_sn, stride_sk, BLOCK_K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         if PREFETCH:
             cwg, csg, cwu, csu = nwg, nsg, nwu, nsu
-            nwg, nsg = _mx_words_raw(wg_ptr, sg_ptr, e, n, n_mask, k0 + BLOCK_K, k_hi, stride_we, stride_wn,
+            nwg, nsg = _mx_words_raw(wg_ptr, sg_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_we, stride_wn,
                                      stride_se, stride_sn, stride_sk, BLOCK_K)
-            nwu, nsu = _mx_words_raw(wu_ptr, su_ptr, e, n, n_mask, k0 + BLOCK_K, k_hi, stride_we, stride_wn,
+            nwu, nsu = _mx_words_raw(wu_ptr, su_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_we, stride_wn,
                                      stride_se, stride_sn, stride_sk, BLOCK_K)
         else:
-            cwg, csg = _mx_words_raw(wg_ptr, sg_ptr, e, n, n_mask, k0, k_hi, stride_we, stride_wn, stride_se,
+            cwg, csg = _mx_words_raw(wg_ptr, sg_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se,
                                      stride_sn, stride_sk, BLOCK_K)
-            cwu, csu = _mx_words_raw(wu_ptr, su_ptr, e, n, n_mask, k0, k_hi, stride_we, stride_wn, stride_se,
+            cwu, csu = _mx_words_raw(wu_ptr, su_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se,
                                      stride_sn, stride_sk, BLOCK_K)
         tg0, tg1, tg2, tg3, mg = _mx_words_decode(cwg, csg)
         tu0, tu1, tu2, tu3, mu = _mx_words_decode(cwu, csu)
@@ -225,38 +207,8 @@ def moe_gate_up_words_kernel(
                 u0 += _mx_words_dot(tu0, tu1, tu2, tu3, mu, x0, x1, x2, x3, x4, x5, x6, x7)
     acc_g = _slot_sums(g0, g1, g2, g3, BLOCK_M)
     acc_u = _slot_sums(u0, u1, u2, u3, BLOCK_M)
-    if SPLIT_K > 1:
-        rows = ((split * num_pairs + pairs) * 2).to(tl.int64)
-        mask = valid[None, :] & n_mask[:, None]
-        tl.store(part_ptr + rows[None, :] * N + n[:, None], acc_g, mask=mask)
-        tl.store(part_ptr + (rows + 1)[None, :] * N + n[:, None], acc_u, mask=mask)
-    else:
-        _glu_store(acc_g, acc_u, bg_ptr, bu_ptr, stride_be, stride_bn, out_ptr, stride_ot, e, n, n_mask, pairs,
-                   valid, alpha, limit, ACT, HAS_BIAS)
-
-
-@triton.jit
-def moe_glu_splits_kernel(part_ptr, bg_ptr, bu_ptr, stride_be, stride_bn, out_ptr, stride_ot, expert_ptr,
-                          num_pairs, N, alpha, limit, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """act[p, n] = GLU(sum_s part[s, p, 0, n] + bg, sum_s part[s, p, 1, n] + bu), the splits
-    added in a fixed order (the result does not depend on which split finished first).
-    Grid (num_pairs, cdiv(N, BLOCK_N)); expert_ptr: topk_ids flattened (-1: nothing to do)."""
-    pair = tl.program_id(0)
-    e = tl.load(expert_ptr + pair)
-    if e < 0:
-        return
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    acc_g = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
-    for split in tl.static_range(SPLIT_K):
-        row = ((split * num_pairs + pair) * 2).to(tl.int64)
-        acc_g += tl.load(part_ptr + row * N + n, mask=n_mask, other=0.0)[:, None]
-        acc_u += tl.load(part_ptr + (row + 1) * N + n, mask=n_mask, other=0.0)[:, None]
-    pairs = pair + tl.arange(0, 1)
     _glu_store(acc_g, acc_u, bg_ptr, bu_ptr, stride_be, stride_bn, out_ptr, stride_ot, e, n, n_mask, pairs,
-               pairs < num_pairs, alpha, limit, ACT, HAS_BIAS)
+               valid, alpha, limit, ACT, HAS_BIAS)
 
 
 @triton.jit
@@ -266,19 +218,15 @@ def moe_down_words_kernel(
         s_ptr, stride_se, stride_sn, stride_sk,
         b_ptr, stride_be,
         pair_weights_ptr, out_ptr, stride_ot,
-        pair_ptr, expert_ptr, num_pairs, N, K, k_per_split,
+        pair_ptr, expert_ptr, num_pairs, N, K,
         SORTED: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr, PREFETCH: tl.constexpr,
-        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """moe_down_gemv_kernel for MXFP4 by word decode (as moe_gate_up_words_kernel). With K split
-    over program axis 2, split s writes rows s * num_pairs + pair of out (the combine kernel adds
-    them); the down bias goes into split 0."""
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """moe_down_gemv_kernel for MXFP4 by word decode (as moe_gate_up_words_kernel)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    split = tl.program_id(2)
     e, pairs, valid = _block_pairs(pair_ptr, expert_ptr, pid_m, num_pairs, SORTED, BLOCK_M)
     if e < 0:
         return
-    k_lo, k_hi = _split_range(split, k_per_split, K, SPLIT_K)
     rows = tl.where(valid, pairs, 0).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
@@ -287,15 +235,15 @@ def moe_down_words_kernel(
     a1, a2, a3 = a0, a0, a0
     cols = tl.arange(0, BLOCK_M)
     if PREFETCH:
-        nw, ns = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k_lo, k_hi, stride_we, stride_wn, stride_se, stride_sn,
+        nw, ns = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, 0, K, stride_we, stride_wn, stride_se, stride_sn,
                                stride_sk, BLOCK_K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         if PREFETCH:
             cw, cs = nw, ns
-            nw, ns = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0 + BLOCK_K, k_hi, stride_we, stride_wn,
+            nw, ns = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_we, stride_wn,
                                    stride_se, stride_sn, stride_sk, BLOCK_K)
         else:
-            cw, cs = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0, k_hi, stride_we, stride_wn, stride_se,
+            cw, cs = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se,
                                    stride_sn, stride_sk, BLOCK_K)
         t0, t1, t2, t3, mult = _mx_words_decode(cw, cs)
         for m in tl.static_range(BLOCK_M):
@@ -319,13 +267,7 @@ def moe_down_words_kernel(
                 a0 += _mx_words_dot(t0, t1, t2, t3, mult, x0, x1, x2, x3, x4, x5, x6, x7)
     acc = _slot_sums(a0, a1, a2, a3, BLOCK_M)
     if HAS_BIAS:
-        bias_mask = n_mask
-        if SPLIT_K > 1:
-            bias_mask = bias_mask & (n * 0 + split == 0)
-        acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=bias_mask, other=0.0).to(tl.float32)[:, None]
+        acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     gate = tl.load(pair_weights_ptr + rows, mask=valid, other=0.0)
     acc = acc * gate[None, :]
-    out_rows = rows
-    if SPLIT_K > 1:
-        out_rows = split * num_pairs + rows
-    tl.store(out_ptr + out_rows[None, :] * stride_ot + n[:, None], acc, mask=valid[None, :] & n_mask[:, None])
+    tl.store(out_ptr + rows[None, :] * stride_ot + n[:, None], acc, mask=valid[None, :] & n_mask[:, None])

@@ -9,7 +9,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from localchat.kernels.moe_gemm import moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel
-from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel, moe_glu_splits_kernel
+from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
+from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
 from localchat.kernels.row_gemv import row_gemv_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -39,6 +40,12 @@ WORDS = _types({"x_ptr": "*bf16", "a_ptr": "*bf16", "bg_ptr": "*bf16", "bu_ptr":
                 "pair_ptr": "*i64", "expert_ptr": "*i64", "alpha": "fp32", "limit": "fp32"})
 WORDS_DOWN = _types({**{n: WORDS(n) for n in ("a_ptr", "b_ptr", "w_ptr", "s_ptr", "pair_weights_ptr", "pair_ptr",
                                               "expert_ptr")}, "out_ptr": "*fp32"})
+HALF2 = _types({"xq_ptr": "*i32", "x_inv_scale_ptr": "*fp32", "aq_ptr": "*i32", "wg_ptr": "*i32", "wu_ptr": "*i32",
+                "w_ptr": "*i32", "sg_ptr": "*u8", "su_ptr": "*u8", "s_ptr": "*u8", "bg_ptr": "*bf16", "bu_ptr": "*bf16",
+                "b_ptr": "*bf16", "out_ptr": "*fp16", "expert_ptr": "*i64", "pair_weights_ptr": "*fp32",
+                "act_scale": "fp32", "a_inv_scale": "fp32", "alpha": "fp32", "limit": "fp32"})
+HALF2_DOWN = _types({**{n: HALF2(n) for n in ("aq_ptr", "a_inv_scale", "w_ptr", "s_ptr", "b_ptr", "expert_ptr",
+                                              "pair_weights_ptr")}, "out_ptr": "*fp32"})
 TILE_FP8 = _types({"x_ptr": "*bf16", "a_ptr": "*bf16", "wg_ptr": "*fp8e4nv", "wu_ptr": "*fp8e4nv",
                    "w_ptr": "*fp8e4nv", "sg_ptr": "*fp32", "su_ptr": "*fp32", "s_ptr": "*fp32", "bg_ptr": "*bf16",
                    "bu_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ids_ptr": "*i32",
@@ -48,20 +55,22 @@ TILE_MX = _types({**{n: TILE_FP8(n) for n in ("x_ptr", "bg_ptr", "bu_ptr", "out_
                   "wg_ptr": "*u8", "wu_ptr": "*u8", "sg_ptr": "*u8", "su_ptr": "*u8"})
 
 CASES = []
-for split in (1, 4):
-    for prefetch in (False, True):
-        CASES.append((f"MXFP4 gate/up words, split {split}, prefetch {prefetch}", moe_gate_up_words_kernel, WORDS,
-                      dict(SORTED=False, ACT=1, HAS_BIAS=True, X_BF16=True, PREFETCH=prefetch, SPLIT_K=split,
-                           BLOCK_M=1, BLOCK_N=8, BLOCK_K=256), 1, 3))
-        CASES.append((f"MXFP4 down words, split {split}, prefetch {prefetch}", moe_down_words_kernel, WORDS_DOWN,
-                      dict(SORTED=False, HAS_BIAS=True, X_BF16=True, PREFETCH=prefetch, SPLIT_K=split, BLOCK_M=1,
-                           BLOCK_N=16, BLOCK_K=256), 2, 3))
+for prefetch in (False, True):
+    CASES.append((f"MXFP4 gate/up words, prefetch {prefetch}", moe_gate_up_words_kernel, WORDS,
+                  dict(SORTED=False, ACT=1, HAS_BIAS=True, X_BF16=True, PREFETCH=prefetch, BLOCK_M=1, BLOCK_N=8,
+                       BLOCK_K=256), 1, 3))
+    CASES.append((f"MXFP4 down words, prefetch {prefetch}", moe_down_words_kernel, WORDS_DOWN,
+                  dict(SORTED=False, HAS_BIAS=True, X_BF16=True, PREFETCH=prefetch, BLOCK_M=1, BLOCK_N=16,
+                       BLOCK_K=256), 2, 3))
+for bn, bk, warps in ((8, 256, 1), (16, 512, 4)):
+    half2 = dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=bn, BLOCK_K=bk)
+    CASES.append((f"MXFP4 gate/up half2 n{bn} k{bk}", moe_gate_up_half2_kernel, HALF2, half2, warps, 3))
+    CASES.append((f"MXFP4 down half2 n{bn} k{bk}", moe_down_half2_kernel, HALF2_DOWN, half2, warps, 3))
 CASES += [
-    ("MXFP4 split GLU", moe_glu_splits_kernel,
-     _types({"part_ptr": "*fp32", "bg_ptr": "*bf16", "bu_ptr": "*bf16", "out_ptr": "*bf16", "expert_ptr": "*i64",
-             "alpha": "fp32", "limit": "fp32"}), dict(SPLIT_K=4, ACT=1, HAS_BIAS=True, BLOCK_N=1024), 4, 1),
-    ("MoE combine, 4 splits", moe_combine_kernel, _types({"y_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16"}),
-     dict(TOP_K=4, SPLITS=4, BLOCK_H=1024), 4, 1),
+    ("MXFP4 half2 activations", mx_half2_x_kernel,
+     _types({"x_ptr": "*bf16", "xq_ptr": "*fp16", "inv_scale_ptr": "*fp32"}), dict(BLOCK_H=4096), 4, 1),
+    ("MoE combine", moe_combine_kernel, _types({"y_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16"}),
+     dict(TOP_K=4, BLOCK_H=1024), 4, 1),
     ("FP8 gate/up tile 16x64x128", moe_gate_up_kernel, TILE_FP8,
      dict(FORMAT=1, MX_DOT_SCALED=True, SBN=1, SBK=1, X_FMT="bf16", ACT=0, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64,
           BLOCK_K=128), 4, 4),

@@ -85,24 +85,6 @@ def test_gpt_oss_mxfp4_words(block_m, dtype, scales, prefetch):
     assert rel_err(out, fused_moe_ref(x, experts, w, ids)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("split_k,prefetch", [(2, True), (3, False), (3, True)])
-def test_gpt_oss_mxfp4_words_split_k(split_k, prefetch):
-    # H=96 / I=160 with 64-wide K steps: gate/up split into 2 ranges (64 + 32), down into 2
-    # (128 + 32) or 3 (64 + 64 + 32); one pair's expert is -1 (held by another rank)
-    e, k, h, i, t = 6, 2, 96, 160, 3
-    experts = _gpt_oss_case(e, h, i, scale_lo=100, scale_hi=131)
-    x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
-    w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
-    ids[1, 0] = -1
-    cfg = MoeConfig(1, 32, 64, 1, 1, gemv=True, mx_words=True, prefetch=prefetch, split_k=split_k)
-    out = fused_moe(x, experts, w, ids, config=cfg)
-    assert rel_err(out, fused_moe_ref(x, experts, w, ids)) < TOL[torch.bfloat16]
-    whole = fused_moe(x, experts, w, ids, config=MoeConfig(1, 32, 64, 1, 1, gemv=True, mx_words=True))
-    assert rel_err(out, whole) < 1e-2  # only the float32 summation order differs
-    with pytest.raises(ValueError, match="split_k"):
-        fused_moe(x, experts, w, ids, config=MoeConfig(2, 32, 64, 1, 1, gemv=True, mx_words=True, split_k=2))
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_mxfp4_words_keep_half_codes(dtype):
     # only +-0 and +-0.5: the word decode turns 0.5 into a float32 subnormal (0.5 * 2^-126),
@@ -116,6 +98,41 @@ def test_mxfp4_words_keep_half_codes(dtype):
     ref = fused_moe_ref(x, experts, w, ids)
     assert ref.abs().max() > 0
     assert rel_err(fused_moe(x, experts, w, ids, config=cfg), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype,block_n,block_k", [(torch.bfloat16, 32, 64), (torch.float16, 16, 128),
+                                                   (torch.bfloat16, 32, 32)])
+def test_gpt_oss_mxfp4_half2(dtype, block_n, block_k):
+    # H=96 / I=160 leave partial K chunks and a partial row block; 6 experts for 6 pairs, one
+    # pair's expert -1; token rows of very different magnitudes (each gets its own 2^k)
+    e, k, h, i, t = 6, 2, 96, 160, 3
+    experts = _gpt_oss_case(e, h, i, scale_lo=110, scale_hi=131)
+    x = torch.randn(t, h, device=DEV, dtype=dtype) * torch.tensor([[1e-3], [1.0], [300.0]], device=DEV).to(dtype)
+    w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
+    ids[2, 1] = -1
+    cfg = MoeConfig(1, block_n, block_k, 1, 1, gemv=True, mx_half2=True)
+    out = fused_moe(x, experts, w, ids, config=cfg)
+    ref = fused_moe_ref(x, experts, w, ids)
+    for row in range(t):  # each token to its own relative error, whatever its magnitude
+        assert rel_err(out[row], ref[row]) < TOL[dtype]
+
+
+def test_half2_order_matches_kernel_positions():
+    from localchat.kernels.moe_gemv_half2 import act_scale_exp, half2_order
+    assert half2_order() == [0, 4, 1, 5, 2, 6, 3, 7]
+    k = act_scale_exp(7.0)  # gpt-oss: |act| <= 56
+    assert 56 * 2 ** k < 2 ** 14 <= 56 * 2 ** (k + 1)
+
+
+def test_half2_rejects_what_it_cannot_run():
+    gpt = _gpt_oss_case(2, 64, 32)
+    x = torch.randn(1, 64, device=DEV, dtype=torch.bfloat16)
+    w, ids = route_gpt_oss(torch.randn(1, 2, device=DEV), 1)
+    with pytest.raises(ValueError, match="one pair per program"):
+        fused_moe(x, gpt, w, ids, config=MoeConfig(2, 16, 64, 1, 1, gemv=True, mx_half2=True))
+    silu = MoeExperts(gpt.gate, gpt.up, gpt.down, activation="silu_glu")
+    with pytest.raises(ValueError, match="clamped SwiGLU"):
+        fused_moe(x, silu, w, ids, config=MoeConfig(1, 16, 64, 1, 1, gemv=True, mx_half2=True))
 
 
 @pytest.mark.parametrize("fmt,dtype,block_m,block_k", [
@@ -167,8 +184,7 @@ def test_new_row_kernels_reject_bad_tiles():
     (1, MoeConfig(1, 8, 256, 1, 1, gemv=True, mx_words=True, prefetch=True)),
     (1, MoeConfig(1, 16, 512, 4, 1, gemv=True, mx_words=True)),
     (32, MoeConfig(4, 16, 256, 4, 1, gemv=True, mx_words=True, prefetch=True)),
-    (1, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True, split_k=4)),
-    (4, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True, split_k=2)),
+    (1, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True)),
 ])
 def test_gpt_oss_words_gpu(t, cfg):
     e, k, h, i = 128, 4, 2880, 2880
@@ -178,6 +194,39 @@ def test_gpt_oss_words_gpu(t, cfg):
     err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
     print(f"\ngpt-oss-120b words T={t} {cfg}: rel err {err:.1e}")
     assert err < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,cfg", [
+    (1, MoeConfig(1, 16, 512, 4, 3, gemv=True, mx_half2=True)),
+    (8, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_half2=True)),
+    (32, MoeConfig(1, 16, 256, 2, 3, gemv=True, mx_half2=True)),
+])
+def test_gpt_oss_half2_gpu(t, cfg):
+    e, k, h, i = 128, 4, 2880, 2880
+    experts = random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    w, ids = route_gpt_oss(torch.randn(t, e, device="cuda"), k)
+    err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
+    print(f"\ngpt-oss-120b half2 T={t} {cfg}: rel err {err:.1e}")
+    assert err < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_half2_small_shapes_gpu():
+    # the interpreter cases compiled: partial chunks, a -1 expert, rows far apart in magnitude,
+    # and +-0 / +-0.5 codes only (e4m3 subnormals through the hardware conversion)
+    e, k, h, i, t = 6, 2, 96, 160, 3
+    for codes in (None, (0, 1, 8, 9)):
+        experts = _gpt_oss_case(e, h, i, scale_lo=110, scale_hi=131, codes=codes)
+        x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16) * torch.tensor([[1e-3], [1.0], [300.0]], device=DEV)
+        w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
+        ids[2, 1] = -1
+        out = fused_moe(x.to(torch.bfloat16), experts, w, ids, config=MoeConfig(1, 32, 64, 1, 1, gemv=True,
+                                                                                 mx_half2=True))
+        ref = fused_moe_ref(x.to(torch.bfloat16), experts, w, ids)
+        for row in range(t):
+            assert rel_err(out[row], ref[row]) < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

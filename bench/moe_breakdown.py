@@ -1,0 +1,90 @@
+"""Where one fused_moe call's time goes at decode sizes: each kernel's device time (profiler,
+mean over 20 calls with different routings) beside the CUDA-graph time per call, whose
+difference is the time between kernels (launch gaps, ramp-up and tails).
+
+    python bench/moe_breakdown.py [--ts 1,8] [--only mxfp4,fp8_channel,fp8_block] [--words]
+
+Cases as in bench/bench_moe_sweep.py; --words also times MXFP4's word-decode kernels (n8 k256 w1).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_moe_sweep import (CALLS, COPY_CEILING_GBS, expert_bytes, graph_time_us, make_case,  # noqa: E402
+                             random_routings)
+
+from localchat.kernels.moe import MoeConfig, default_config, fused_moe  # noqa: E402
+
+CASES = {"mxfp4": ("gpt-oss-120b MXFP4", 128, 4, 2880, 2880, 3),
+         "fp8_channel": ("GLM-4.5V FP8 channel", 128, 8, 4096, 1408, 1),
+         "fp8_block": ("GLM-4.5V FP8 block", 128, 8, 4096, 1408, 2)}
+
+
+def kernel_times_us(calls) -> dict[str, float]:
+    """name -> mean device us per call of the kernels launched by the calls (eager)."""
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for fn in calls:
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            totals[ev.name[:48]] += ev.device_time / len(calls)
+    return dict(totals)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ts", default="1,8")
+    parser.add_argument("--only", default="mxfp4,fp8_channel,fp8_block")
+    parser.add_argument("--words", action="store_true", help="MXFP4: also time the word-decode kernels "
+                        "(the default before the packed-f16 kernels)")
+    parser.add_argument("--fp8-rows", default="", help="FP8: also time these row-kernel tiles, kind:n:k:warps:stages "
+                        "with kind gemv or stream, e.g. stream:16:512:4:1,gemv:32:128:4:3")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for key in args.only.split(","):
+        name, e, k, h, i, fmt_code = CASES[key]
+        experts = make_case(key, e, h, i)
+        per_expert = expert_bytes(experts)
+        for t in (int(v) for v in args.ts.split(",")):
+            x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+            routings = random_routings(key, t, e, k)
+            nbytes = per_expert * sum(ids.unique().numel() for _, ids in routings) / CALLS
+            base = default_config(t * k, e, fmt_code, True, 2)
+            variants = [("default", base)]
+            if key == "mxfp4":
+                words = MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True)
+                variants += [("words", words)] if args.words else []
+            else:
+                for spec in filter(None, args.fp8_rows.split(",")):
+                    kind, bn, bk, nw, ns = spec.split(":")
+                    variants.append((spec, MoeConfig(1, int(bn), int(bk), int(nw), int(ns), gemv=True,
+                                                     prefetch=kind == "stream")))
+            for label, cfg in variants:
+                calls = [lambda w=w, ids=ids, cfg=cfg, ex=experts: fused_moe(x, ex, w, ids, config=cfg)
+                         for w, ids in routings]
+                graph_us = graph_time_us(calls)
+                kernels = kernel_times_us(calls)
+                busy = sum(kernels.values())
+                print(f"{name} T={t} {label}: graph {graph_us:.1f} us per call "
+                      f"({nbytes / graph_us / 1e3 / COPY_CEILING_GBS:.1%} of copy), kernels {busy:.1f} us, "
+                      f"between kernels {graph_us - busy:.1f} us", flush=True)
+                for kname, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
+                    print(f"    {us:7.1f} us  {kname}", flush=True)
+        del experts
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
