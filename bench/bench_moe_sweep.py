@@ -213,11 +213,15 @@ def main():
     parser.add_argument("--tile", action="store_true", help="also time the tensor-core tile kernel")
     parser.add_argument("--half2", action="store_true", help="time the MXFP4 packed-f16 kernels (HALF2_CANDIDATES) "
                         "instead")
+    parser.add_argument("--half2-tiles", default="", help="with --half2: these tiles instead of HALF2_CANDIDATES, "
+                        "n:k:warps:stages,... e.g. 8:512:2:3,16:1024:8:3")
     parser.add_argument("--tiles", action="store_true", help="sweep tensor-core tiles (TILE_CANDIDATES) "
                         "instead of the row-kernel candidates")
     args = parser.parse_args()
     torch.manual_seed(0)
     ts = [int(v) for v in args.ts.split(",")]
+    if args.half2_tiles:
+        HALF2_CANDIDATES[:] = [tuple(int(v) for v in spec.split(":")) for spec in args.half2_tiles.split(",")]
     dev = torch.cuda.get_device_properties(0)
     print(f"# {dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     print(HEADER)
