@@ -124,6 +124,29 @@ def test_half2_order_matches_kernel_positions():
     assert 56 * 2 ** k < 2 ** 14 <= 56 * 2 ** (k + 1)
 
 
+def test_default_half2_falls_back_to_words_for_other_activations(monkeypatch):
+    # the GPU default for MXFP4 is the packed-f16 path, which needs the clamped SwiGLU to bound
+    # its f16 GLU output; experts with another activation must get the word decode instead
+    import localchat.kernels.moe as moe
+    chosen = []
+    real = moe._fused_moe_half2
+
+    def spy(*args, **kwargs):
+        chosen.append("half2")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe, "default_config", lambda *a, **k: MoeConfig(1, 16, 64, 1, 1, gemv=True, mx_half2=True))
+    monkeypatch.setattr(moe, "_fused_moe_half2", spy)
+    gpt = _gpt_oss_case(3, 64, 32)
+    x = torch.randn(2, 64, device=DEV, dtype=torch.bfloat16)
+    w, ids = route_gpt_oss(torch.randn(2, 3, device=DEV), 2)
+    assert rel_err(fused_moe(x, gpt, w, ids), fused_moe_ref(x, gpt, w, ids)) < TOL[torch.bfloat16]
+    assert chosen == ["half2"]
+    silu = MoeExperts(gpt.gate, gpt.up, gpt.down, gpt.gate_bias, gpt.up_bias, gpt.down_bias, "silu_glu")
+    assert rel_err(fused_moe(x, silu, w, ids), fused_moe_ref(x, silu, w, ids)) < TOL[torch.bfloat16]
+    assert chosen == ["half2"]  # the silu experts took the word decode
+
+
 def test_half2_rejects_what_it_cannot_run():
     gpt = _gpt_oss_case(2, 64, 32)
     x = torch.randn(1, 64, device=DEV, dtype=torch.bfloat16)
