@@ -235,8 +235,11 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
                 raise ValueError(f"the prefetching row kernels need block_n {cfg.block_n} to divide the FP8 "
                                  f"scale block {b}")
     num_pairs = t * k
+    has_bias, bg, bu, bias_strides = _gate_up_biases(experts, x)
     if cfg.mx_half2:
-        return _fused_moe_half2(x, experts, topk_weights, topk_ids, cfg, out)
+        y = _half2_experts(x, experts, topk_weights, topk_ids, cfg, not on_gpu, (wg, sg, s_strides), (wu, su),
+                           (wd, sd, sd_strides), (bg, bu, bias_strides))
+        return _combine(y, topk_ids, out)
     if cfg.gemv and cfg.block_m == 1:
         # one program per pair, in pair order: no grouping pass needed
         block_expert = topk_ids.reshape(-1)
@@ -245,16 +248,10 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         sorted_ids, block_expert = moe_align(topk_ids, e, cfg.block_m)
         b_max, sorted_pairs = block_expert.numel(), True
     act = torch.empty((num_pairs, i), dtype=x.dtype, device=x.device)
-    has_bias = experts.gate_bias is not None
-    bg = experts.gate_bias if has_bias else x
-    bu = experts.up_bias if has_bias else x
-    if has_bias and bg.stride() != bu.stride():
-        raise ValueError("gate and up biases must share strides")
     x_fmt = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "fp32")
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_registers:
         launch["maxnreg"] = cfg.max_registers
-    bias_strides = (bg.stride(0), bg.stride(1)) if has_bias else (0, 0)
     scales_biases = (sg, su, *s_strides, bg, bu, *bias_strides)
     gate_up_args = (x, x.stride(0), wg, wu, wg.stride(0), wg.stride(1), *scales_biases,
                     act, act.stride(0), sorted_ids, block_expert, num_pairs, i, h, k,
@@ -306,15 +303,35 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     else:
         moe_down_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
             *down_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **down_meta)
+    return _combine(y, topk_ids, out)
+
+
+def _gate_up_biases(experts: MoeExperts, x: torch.Tensor):
+    """-> (has biases, gate bias, up bias, their (expert, row) strides); x stands in for absent
+    biases (never read)."""
+    if experts.gate_bias is None:
+        return False, x, x, (0, 0)
+    bg, bu = experts.gate_bias, experts.up_bias
+    if bg.stride() != bu.stride():
+        raise ValueError("gate and up biases must share strides")
+    return True, bg, bu, (bg.stride(0), bg.stride(1))
+
+
+def _combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [T, H] = the sum of each token's k rows of y [T * k, H] (float32, routing weights
+    applied), in a fixed order."""
+    t, h = out.shape
     block_h = min(1024, triton.next_power_of_2(h))
-    moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_ids, out, h, TOP_K=k, BLOCK_H=block_h)
+    moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_ids, out, h, TOP_K=topk_ids.shape[1], BLOCK_H=block_h)
     return out
 
 
-def _fused_moe_half2(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                     cfg: MoeConfig, out: torch.Tensor) -> torch.Tensor:
-    """fused_moe on kernels/moe_gemv_half2.py: activations to f16 pairs (one launch), gate/up with
-    the clamped SwiGLU, down with the routing weight, combine."""
+def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   cfg: MoeConfig, interpret: bool, gate, up, down, biases) -> torch.Tensor:
+    """The experts on kernels/moe_gemv_half2.py: activations to f16 pairs (one launch), gate/up
+    with the clamped SwiGLU, down with the routing weight. gate (weight, scales, scale strides),
+    up (weight, scales), down (weight, scales, scale strides) as _kernel_weight gives them;
+    biases as _gate_up_biases. -> y [T * k, H] float32, the rows the combine adds."""
     t, h = x.shape
     k = topk_ids.shape[1]
     i = experts.intermediate_size
@@ -325,28 +342,22 @@ def _fused_moe_half2(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.T
     if x.dtype not in (torch.bfloat16, torch.float16) or cfg.block_k % 32:
         raise ValueError(f"mx_half2 needs bf16/fp16 activations and block_k a multiple of 32, got {x.dtype}, "
                          f"{cfg.block_k}")
-    _, wg, sg, s_strides, _ = _kernel_weight(experts.gate)
-    _, wu, su, _, _ = _kernel_weight(experts.up)
-    _, wd, sd, sd_strides, _ = _kernel_weight(experts.down)
+    (wg, sg, s_strides), (wu, su), (wd, sd, sd_strides) = gate, up, down
+    bg, bu, bias_strides = biases
+    # int32 words of 8 codes, strides in 16-byte groups (rows are whole 32-value groups)
     wg32, wu32, wd32 = wg.view(torch.int32), wu.view(torch.int32), wd.view(torch.int32)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1" or not x.is_cuda
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     num_pairs = t * k
     expert_ids = topk_ids.reshape(-1)
     xq = torch.empty((t, h), dtype=torch.float16, device=x.device)
     x_inv_scale = torch.empty((t,), dtype=torch.float32, device=x.device)
     mx_half2_x_kernel[(t,)](x, x.stride(0), xq, x_inv_scale, h, BLOCK_H=triton.next_power_of_2(h))
-    has_bias = experts.gate_bias is not None
-    bg = experts.gate_bias if has_bias else x
-    bu = experts.up_bias if has_bias else x
-    if has_bias and bg.stride() != bu.stride():
-        raise ValueError("gate and up biases must share strides")
     act_exp = act_scale_exp(experts.limit)
     act = torch.empty((num_pairs, i), dtype=torch.float16, device=x.device)
     moe_gate_up_half2_kernel[(num_pairs, triton.cdiv(i, cfg.block_n))](
         xq.view(torch.int32), x_inv_scale, wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4, sg, su, *s_strides,
-        bg, bu, *((bg.stride(0), bg.stride(1)) if has_bias else (0, 0)), act, float(2.0 ** act_exp), expert_ids,
-        i, h, k, float(experts.alpha), float(experts.limit), HAS_BIAS=has_bias, INTERPRET=interpret,
+        bg, bu, *bias_strides, act, float(2.0 ** act_exp), expert_ids, i, h, k, float(experts.alpha),
+        float(experts.limit), HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias = experts.down_bias is not None
@@ -356,9 +367,7 @@ def _fused_moe_half2(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.T
         *sd_strides, bd, bd.stride(0) if has_down_bias else 0, topk_weights.reshape(-1).to(torch.float32), y,
         y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
-    block_h = min(1024, triton.next_power_of_2(h))
-    moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_ids, out, h, TOP_K=k, BLOCK_H=block_h)
-    return out
+    return y
 
 
 def expert_slice(w: LinearWeight, e: int) -> LinearWeight:

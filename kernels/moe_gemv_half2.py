@@ -30,6 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .moe_gemv import _e2m1_f32
 from .moe_gemv_words import _mx_words_raw
 
 X_MAX_EXP = 14  # scaled activations stay below 2^14 in magnitude
@@ -91,16 +92,6 @@ _GROUP_CONSTRAINTS = tl.constexpr("=f" + ",r" * 20)
 
 
 @triton.jit
-def _e2m1(code):
-    """4-bit E2M1 codes (int32) -> float32 values."""
-    mag = code & 7
-    e = mag >> 1
-    m = (mag & 1).to(tl.float32)
-    val = tl.where(e == 0, 0.5 * m, tl.exp2((e - 1).to(tl.float32)) * (1.0 + 0.5 * m))
-    return tl.where((code & 8) != 0, -val, val)
-
-
-@triton.jit
 def _f16_half(pair, HIGH: tl.constexpr):
     """One f16 half of packed pairs (int32) -> float32."""
     if HIGH:
@@ -112,15 +103,16 @@ def _f16_half(pair, HIGH: tl.constexpr):
 
 @triton.jit
 def _pair_ref(w, x, LO: tl.constexpr, HI: tl.constexpr):
-    """codes LO and HI of each word times the low and high f16 halves of x, in float32."""
-    return _e2m1((w >> (4 * LO)) & 15) * _f16_half(x, False) + _e2m1((w >> (4 * HI)) & 15) * _f16_half(x, True)
+    """codes LO and HI of each word (value * 2^-14) times the low and high f16 halves of x, in float32."""
+    lo = _e2m1_f32((w >> (4 * LO)) & 15) * _f16_half(x, False)
+    return lo + _e2m1_f32((w >> (4 * HI)) & 15) * _f16_half(x, True)
 
 
 @triton.jit
 def _word_ref(w, x0, x1, x2, x3):
     """What the assembly computes for one word, in float32: sum of code value * 2^-6 * activation."""
     acc = _pair_ref(w, x0, 0, 2) + _pair_ref(w, x1, 4, 6) + _pair_ref(w, x2, 1, 3) + _pair_ref(w, x3, 5, 7)
-    return acc * 0.015625
+    return acc * 256.0  # value * 2^-14 -> value * 2^-6
 
 
 @triton.jit

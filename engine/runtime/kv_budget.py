@@ -118,7 +118,3 @@ def plan_kv_blocks(spec: ModelSpec, dtype: torch.dtype, device: torch.device, bl
         pass
     return plan(n, want_sliding)
 
-
-def plan_num_blocks(spec: ModelSpec, dtype: torch.dtype, device: torch.device, block_size: int, **kw) -> int:
-    """The full group's block count of plan_kv_blocks (all of the cache without sliding layers)."""
-    return plan_kv_blocks(spec, dtype, device, block_size, **kw).num_blocks

@@ -129,14 +129,14 @@ def test_default_half2_falls_back_to_words_for_other_activations(monkeypatch):
     # its f16 GLU output; experts with another activation must get the word decode instead
     import localchat.kernels.moe as moe
     chosen = []
-    real = moe._fused_moe_half2
+    real = moe._half2_experts
 
     def spy(*args, **kwargs):
         chosen.append("half2")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(moe, "default_config", lambda *a, **k: MoeConfig(1, 16, 64, 1, 1, gemv=True, mx_half2=True))
-    monkeypatch.setattr(moe, "_fused_moe_half2", spy)
+    monkeypatch.setattr(moe, "_half2_experts", spy)
     gpt = _gpt_oss_case(3, 64, 32)
     x = torch.randn(2, 64, device=DEV, dtype=torch.bfloat16)
     w, ids = route_gpt_oss(torch.randn(2, 3, device=DEV), 2)
@@ -208,30 +208,18 @@ def test_new_row_kernels_reject_bad_tiles():
     (1, MoeConfig(1, 16, 512, 4, 1, gemv=True, mx_words=True)),
     (32, MoeConfig(4, 16, 256, 4, 1, gemv=True, mx_words=True, prefetch=True)),
     (1, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True)),
-])
-def test_gpt_oss_words_gpu(t, cfg):
-    e, k, h, i = 128, 4, 2880, 2880
-    experts = random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-    w, ids = route_gpt_oss(torch.randn(t, e, device="cuda"), k)
-    err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
-    print(f"\ngpt-oss-120b words T={t} {cfg}: rel err {err:.1e}")
-    assert err < TOL[torch.bfloat16]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t,cfg", [
     (1, MoeConfig(1, 16, 512, 4, 3, gemv=True, mx_half2=True)),
     (8, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_half2=True)),
     (32, MoeConfig(1, 16, 256, 2, 3, gemv=True, mx_half2=True)),
 ])
-def test_gpt_oss_half2_gpu(t, cfg):
+def test_gpt_oss_row_kernels_gpu(t, cfg):
     e, k, h, i = 128, 4, 2880, 2880
     experts = random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     w, ids = route_gpt_oss(torch.randn(t, e, device="cuda"), k)
     err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
-    print(f"\ngpt-oss-120b half2 T={t} {cfg}: rel err {err:.1e}")
+    kind = "half2" if cfg.mx_half2 else "words"
+    print(f"\ngpt-oss-120b {kind} T={t} {cfg}: rel err {err:.1e}")
     assert err < TOL[torch.bfloat16]
 
 

@@ -5,7 +5,7 @@ import torch
 
 from localchat.engine.runtime.block_pool import BlockPool, OutOfBlocks
 from localchat.engine.runtime.kv_budget import (KVMemoryError, KVPlan, activation_headroom, plan_kv_blocks,
-                                                plan_num_blocks, sliding_blocks_in_use)
+                                                sliding_blocks_in_use)
 from localchat.engine.runtime.kv_cache import PagedKVCache
 from localchat.engine.runtime.prefix_cache import BlockKeys, ImageSpan, image_spans, match_prefix
 from localchat.engine.runtime.prompt import Prompt
@@ -92,13 +92,13 @@ def test_pool_size_from_free_gpu_memory(oss):
     headroom = activation_headroom(spec, 2048, 1000, 16 * gib)
     assert headroom >= 1.5 * gib
     free = headroom + 1000 * per_block + per_block // 2
-    assert plan_num_blocks(spec, torch.bfloat16, cuda, 16, mem_info=(free, 16 * gib), **kw) == 1000
-    assert plan_num_blocks(spec, torch.bfloat16, cuda, 16, mem_info=(80 * gib, 80 * gib), **kw) == 512 * 1000 // 16
-    assert plan_num_blocks(spec, torch.bfloat16, cuda, 16, num_blocks=7, **kw) == 7
-    assert plan_num_blocks(spec, torch.bfloat16, torch.device("cpu"), 16, max_kv_tokens=100, **kw) == 7
-    assert plan_num_blocks(spec, torch.bfloat16, torch.device("cpu"), 16, **kw) == 1024 // 16
+    assert plan_kv_blocks(spec, torch.bfloat16, cuda, 16, mem_info=(free, 16 * gib), **kw).num_blocks == 1000
+    assert plan_kv_blocks(spec, torch.bfloat16, cuda, 16, mem_info=(80 * gib, 80 * gib), **kw).num_blocks == 512 * 1000 // 16
+    assert plan_kv_blocks(spec, torch.bfloat16, cuda, 16, num_blocks=7, **kw).num_blocks == 7
+    assert plan_kv_blocks(spec, torch.bfloat16, torch.device("cpu"), 16, max_kv_tokens=100, **kw).num_blocks == 7
+    assert plan_kv_blocks(spec, torch.bfloat16, torch.device("cpu"), 16, **kw).num_blocks == 1024 // 16
     with pytest.raises(KVMemoryError, match="GiB of GPU memory is free"):
-        plan_num_blocks(spec, torch.bfloat16, cuda, 16, mem_info=(gib, 80 * gib), **kw)
+        plan_kv_blocks(spec, torch.bfloat16, cuda, 16, mem_info=(gib, 80 * gib), **kw)
 
 
 def test_sliding_layers_get_a_pool_sized_by_their_window(oss):
@@ -114,7 +114,6 @@ def test_sliding_layers_get_a_pool_sized_by_their_window(oss):
     free = headroom + 10_000 * half + want * half + half // 2
     # A full block now holds only the full layer, so the budget buys twice the context it used to.
     assert plan_kv_blocks(spec, torch.bfloat16, cuda, bs, mem_info=(free, 16 * gib), **kw) == KVPlan(10_000, want)
-    assert plan_num_blocks(spec, torch.bfloat16, cuda, bs, mem_info=(free, 16 * gib), **kw) == 10_000
     # A small budget is shared: never more sliding blocks than full ones.
     small = headroom + 600 * half
     assert plan_kv_blocks(spec, torch.bfloat16, cuda, bs, mem_info=(small, 16 * gib), **kw) == KVPlan(300, 300)
