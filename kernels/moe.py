@@ -116,26 +116,24 @@ SHARED_MEMORY_BUDGET = 200 * 1024
 
 def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2) -> MoeConfig:
     """Tile sizes by the expected pairs per expert (uniform routing). Each choice below is the
-    fastest measured at that load on an H200 (bench/bench_moe_sweep.py, bench/NOTES-moe.md).
-    MXFP4: the packed-f16 row kernels with one pair per program up to four pairs per expert
-    (gpt-oss-120b to 128 tokens, gpt-oss-20b to 32), then tensor-core tiles; fused_moe falls back
-    to the word-decode kernels for experts other than gpt-oss's clamped SwiGLU. FP8: row kernels up
-    to one pair per expert (GLM-4.5V to 16 tokens; block scales over two scale blocks per K step
-    up to half a pair, channel scales with the next chunk in flight at 1-2 tokens), then tiles."""
+    fastest measured at that load on an H200 (bench/bench_moe_sweep.py, bench/moe_breakdown.py,
+    bench/NOTES-moe.md). The row kernels' num_stages is the depth of the compiler's software
+    pipeline over K (asynchronous copies of the weight and activation chunks); one-warp programs
+    gain from it, multi-warp ones lost. MXFP4: the packed-f16 row kernels with one pair per program
+    up to four pairs per expert (gpt-oss-120b to 128 tokens, gpt-oss-20b to 32), then tensor-core
+    tiles; fused_moe falls back to the word-decode kernels for experts other than gpt-oss's clamped
+    SwiGLU. FP8: pipelined row kernels up to half a pair per expert (GLM-4.5V to 8 tokens), plain
+    row kernels up to one, then tiles."""
     if not on_gpu:
         return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
     per_expert = num_pairs / max(num_experts, 1)
     if fmt == FMT_MXFP4 and per_expert <= 4:
-        if per_expert <= 0.125:
-            return MoeConfig(1, 16, 512, 4, 3, gemv=True, mx_half2=True)
-        return MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_half2=True)
+        return MoeConfig(1, 8, 256, 1, 3 if per_expert <= 0.125 else 2, gemv=True, mx_half2=True)
     if fmt != FMT_MXFP4 and per_expert <= 1:
+        if fmt in (FMT_FP8_ROW, FMT_FP8_BLK) and per_expert <= 0.5:
+            return MoeConfig(1, 32, 256, 4, 3, gemv=True)
         if fmt == FMT_FP8_BLK:
-            if per_expert <= 0.5:
-                return MoeConfig(1, 16, 256, 4, 1, gemv=True)
             return MoeConfig(1, 32, 128, 4, 1, gemv=True)
-        if fmt == FMT_FP8_ROW and per_expert <= 0.125:
-            return MoeConfig(1, 32, 256, 4, 1, gemv=True, prefetch=True)
         return MoeConfig(1, 16, 256, 4, 1, gemv=True)
     block_k = 256 if fmt == FMT_MXFP4 else 128
     if fmt == FMT_MXFP4 and per_expert <= 16:
@@ -277,7 +275,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
             *gate_up_args, SORTED=sorted_pairs, **gate_up_meta)
     elif cfg.gemv:
         moe_gate_up_gemv_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
-            *gate_up_args, SORTED=sorted_pairs, **gate_up_meta)
+            *gate_up_args, SORTED=sorted_pairs, STAGES=cfg.num_stages, **gate_up_meta)
     else:
         moe_gate_up_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             *gate_up_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **gate_up_meta)
@@ -299,7 +297,8 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     elif stream_down:
         moe_down_stream_kernel[(b_max, triton.cdiv(h, cfg.block_n))](*down_args, SORTED=sorted_pairs, **down_meta)
     elif cfg.gemv:
-        moe_down_gemv_kernel[(b_max, triton.cdiv(h, cfg.block_n))](*down_args, SORTED=sorted_pairs, **down_meta)
+        moe_down_gemv_kernel[(b_max, triton.cdiv(h, cfg.block_n))](*down_args, SORTED=sorted_pairs,
+                                                                   STAGES=cfg.num_stages, **down_meta)
     else:
         moe_down_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
             *down_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **down_meta)
@@ -358,7 +357,7 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
         xq.view(torch.int32), x_inv_scale, wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4, sg, su, *s_strides,
         bg, bu, *bias_strides, act, float(2.0 ** act_exp), expert_ids, i, h, k, float(experts.alpha),
         float(experts.limit), HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias = experts.down_bias is not None
     bd = experts.down_bias if has_down_bias else x
@@ -366,7 +365,7 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
         act.view(torch.int32), float(2.0 ** -act_exp), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, sd,
         *sd_strides, bd, bd.stride(0) if has_down_bias else 0, topk_weights.reshape(-1).to(torch.float32), y,
         y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
     return y
 
 

@@ -136,7 +136,7 @@ def moe_gate_up_gemv_kernel(
         pair_ptr, expert_ptr, num_pairs, N, K, top_k, alpha, limit,
         FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SORTED: tl.constexpr,
         ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """moe_gate_up_kernel's result by row streaming. SORTED: pairs from moe_align blocks of
     BLOCK_M; else BLOCK_M must be 1, program m is pair m and expert_ptr is topk_ids flattened."""
     pid_m = tl.program_id(0)
@@ -148,7 +148,7 @@ def moe_gate_up_gemv_kernel(
     n_mask = n < N
     acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         acc_g = _gemv_chunk(acc_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x_ptr, pair_ptr, pid_m, num_pairs, top_k,
                             stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
                             FORMAT, SBN, SBK, SORTED, True, BLOCK_M, BLOCK_K)
@@ -188,7 +188,8 @@ def moe_down_gemv_kernel(
         pair_weights_ptr, out_ptr, stride_ot,
         pair_ptr, expert_ptr, num_pairs, N, K,
         FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SORTED: tl.constexpr,
-        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        STAGES: tl.constexpr):
     """moe_down_kernel's result by row streaming (pairs as in moe_gate_up_gemv_kernel)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -199,7 +200,7 @@ def moe_down_gemv_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         acc = _gemv_chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, a_ptr, pair_ptr, pid_m, num_pairs, 1,
                           stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
                           FORMAT, SBN, SBK, SORTED, False, BLOCK_M, BLOCK_K)

@@ -1,0 +1,71 @@
+"""Decode attention at small batches: time per call against the number of sequence splits and
+the key tile, with enough distinct KV caches in rotation that the 50 MB L2 serves none of a
+call's reads (bench_kernels.py repeats one call, whose 17-34 MB at batch 1 then partly come
+from L2).
+
+    python bench/bench_attention_splits.py [--batches 1,8] [--ctx 8192] [--splits 0,32,64,128,256] [--block-n 32,64]
+
+Split count 0 is the default (attention_decode.default_num_splits). Every candidate's output is
+checked against the default's before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_moe_sweep import COPY_CEILING_GBS, graph_time_us  # noqa: E402
+
+from localchat.kernels.attention_decode import default_num_splits, paged_decode_attention  # noqa: E402
+
+CASES = [("gpt-oss full", 64, 8, 64, True), ("GLM-4.5V", 96, 8, 128, False)]
+BLOCK_SIZE = 16
+ROTATION_BYTES = 160e6  # > 3x the L2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--ctx", type=int, default=8192)
+    parser.add_argument("--splits", default="0,32,64,128,256")
+    parser.add_argument("--block-n", default="32,64")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    ctx_len = args.ctx
+    for name, hq, hkv, d, sinks in CASES:
+        for bsz in (int(b) for b in args.batches.split(",")):
+            kv_bytes = 2 * bsz * ctx_len * hkv * d * 2
+            copies = max(2, int(ROTATION_BYTES // kv_bytes) + 1)
+            blocks = bsz * ctx_len // BLOCK_SIZE
+            caches = []
+            for _ in range(copies):
+                k = torch.randn(blocks, BLOCK_SIZE, hkv, d, device="cuda", dtype=torch.bfloat16)
+                tables = torch.randperm(blocks, device="cuda").view(bsz, -1).to(torch.int32)
+                caches.append((k, torch.randn_like(k), tables))
+            ctx = torch.full((bsz,), ctx_len, dtype=torch.int32, device="cuda")
+            q = torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16)
+            s = torch.randn(hq, device="cuda") if sinks else None
+            ref = paged_decode_attention(q, *caches[0][:2], caches[0][2], ctx, d ** -0.5, s).float()
+            for block_n in (int(b) for b in args.block_n.split(",")):
+                for splits in (int(v) for v in args.splits.split(",")):
+                    n = splits or default_num_splits(bsz, hkv, ctx_len, block_n)
+                    if n > ctx_len // block_n:
+                        continue
+                    out = paged_decode_attention(q, *caches[0][:2], caches[0][2], ctx, d ** -0.5, s,
+                                                 num_splits=n, block_n=block_n).float()
+                    err = ((out - ref).norm() / ref.norm()).item()
+                    us = graph_time_us([lambda c=c, n=n, bn=block_n: paged_decode_attention(
+                        q, c[0], c[1], c[2], ctx, d ** -0.5, s, num_splits=n, block_n=bn) for c in caches])
+                    gbs = kv_bytes / us / 1e3
+                    tag = " (default)" if not splits else ""
+                    print(f"{name} B={bsz} ctx={ctx_len} block_n={block_n} splits={n}{tag}: {us:.1f} us, "
+                          f"{gbs:.0f} GB/s, {gbs / COPY_CEILING_GBS:.0%} of copy, rel err {err:.1e}", flush=True)
+            del caches
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
