@@ -17,7 +17,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
 from bench_moe_sweep import COPY_CEILING_GBS, graph_time_us  # noqa: E402
+from kernel_checks import rel_err  # noqa: E402
 
 from localchat.kernels.attention_decode import default_num_splits, paged_decode_attention  # noqa: E402
 
@@ -51,12 +53,11 @@ def main() -> None:
             ref = paged_decode_attention(q, *caches[0][:2], caches[0][2], ctx, d ** -0.5, s).float()
             for block_n in (int(b) for b in args.block_n.split(",")):
                 for splits in (int(v) for v in args.splits.split(",")):
-                    n = splits or default_num_splits(bsz, hkv, ctx_len, block_n)
+                    n = splits or default_num_splits(bsz, hkv, ctx_len, block_n, d)
                     if n > ctx_len // block_n:
                         continue
-                    out = paged_decode_attention(q, *caches[0][:2], caches[0][2], ctx, d ** -0.5, s,
-                                                 num_splits=n, block_n=block_n).float()
-                    err = ((out - ref).norm() / ref.norm()).item()
+                    err = rel_err(paged_decode_attention(q, *caches[0][:2], caches[0][2], ctx, d ** -0.5, s,
+                                                         num_splits=n, block_n=block_n), ref)
                     us = graph_time_us([lambda c=c, n=n, bn=block_n: paged_decode_attention(
                         q, c[0], c[1], c[2], ctx, d ** -0.5, s, num_splits=n, block_n=bn) for c in caches])
                     gbs = kv_bytes / us / 1e3

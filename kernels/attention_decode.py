@@ -97,9 +97,15 @@ def _decode_combine_kernel(mid_o_ptr, mid_ml_ptr, sinks_ptr, out_ptr, stride_ob,
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def default_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, num_sms: int = 132) -> int:
-    """Enough (batch x kv head x split) programs for ~2 per SM, at most one split per key tile."""
-    want = triton.cdiv(2 * num_sms, batch * kv_heads)
+def default_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, head_dim: int = 128,
+                       num_sms: int = 132) -> int:
+    """Enough (batch x kv head x split) programs for ~2 per SM at head_dim 128 and ~4 at 64, at
+    most 64 splits and one per key tile. Measured on an H200 at 8K context with the KV cache out
+    of L2 (bench/bench_attention_splits.py): head_dim 64 (gpt-oss) at batch 1 runs 64 splits
+    17% faster than 33, at batch 8 9 splits 20% faster than 5; head_dim 128 (GLM-4.5V) is
+    fastest at ~2 per SM (33 splits at batch 1, 5 at batch 8)."""
+    per_sm = max(1, 256 // head_dim)
+    want = triton.cdiv(per_sm * num_sms, batch * kv_heads)
     return max(1, min(want, 64, triton.cdiv(max_context, block_n)))
 
 
@@ -121,7 +127,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits is None:
         # a windowed layer reads at most `window` keys, however long the table
         keys = block_tables.shape[1] * block_size if window is None else min(window, block_tables.shape[1] * block_size)
-        num_splits = default_num_splits(bsz, hkv, keys, block_n)
+        num_splits = default_num_splits(bsz, hkv, keys, block_n, d)
     out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out

@@ -128,7 +128,9 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
         return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
     per_expert = num_pairs / max(num_experts, 1)
     if fmt == FMT_MXFP4 and per_expert <= 4:
-        return MoeConfig(1, 8, 256, 1, 3 if per_expert <= 0.125 else 2, gemv=True, mx_half2=True)
+        if per_expert <= 0.5:
+            return MoeConfig(1, 8, 256, 1, 3 if per_expert <= 0.125 else 2, gemv=True, mx_half2=True)
+        return MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True)
     if fmt != FMT_MXFP4 and per_expert <= 1:
         if fmt in (FMT_FP8_ROW, FMT_FP8_BLK) and per_expert <= 0.5:
             return MoeConfig(1, 32, 256, 4, 3, gemv=True)

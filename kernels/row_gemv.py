@@ -23,21 +23,26 @@ GEMV_MAX_M = 2  # H200, FP8: 1 token 2.4x faster than the tile kernel; at 4 the 
 DENSE_GEMV_MAX_M = 1
 DENSE_GEMV_MIN_N = 1024
 NUM_SMS = 132  # H200; the row split only needs to be about right
+# Software-pipeline depth over K for dense weights. H200, bf16, 1 token, weights out of L2
+# (bench/bench_row_gemv.py): 4 stages against none, gpt-oss q/k/v 12.7 -> 10.3 us, o_proj 13.1 ->
+# 9.9 us, GLM o_proj 37.4 -> 28.4 us, GLM q/k/v 31.7 -> 32.7 us.
+DENSE_GEMV_STAGES = 4
 
 
 @triton.jit
 def row_gemv_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, b_ptr, out_ptr, stride_om,
                     M, N, K, FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """Each program reads BLOCK_N weight rows once, in contiguous BLOCK_K slabs, and reduces them
     against every token's activations. FORMAT: 0 dense, 1 FP8 channel scales (applied once at
-    the end), 2 FP8 block scales (applied per K step: BLOCK_K divides the scale block)."""
+    the end), 2 FP8 block scales (applied per K step: BLOCK_K divides the scale block). STAGES:
+    depth of the software pipeline over K (asynchronous copies of the weight slabs)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     cols = tl.arange(0, M_PAD)
     acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_mask = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
@@ -67,9 +72,10 @@ def gemv_block_n(n: int) -> int:
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               block_n: int | None = None, block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+               block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
+               stages: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= 4), weight [N, K] contiguous along K, bias [N] or None -> [M, N] in x.dtype,
-    accumulated in float32. block_n / block_k / num_warps: tile override for benchmarks."""
+    accumulated in float32. block_n / block_k / num_warps / stages: tile override for benchmarks."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or weight.stride(1) != 1 or m > 4:
@@ -83,12 +89,13 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     row_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, x.stride(0), weight, weight.stride(0), x, 0, 0, bias if bias is not None else x, out, out.stride(0),
         m, n, k, FORMAT=FMT_DENSE, SBN=1, SBK=1, HAS_BIAS=bias is not None, M_PAD=triton.next_power_of_2(m),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=3 if on_gpu else 1)
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=(stages or DENSE_GEMV_STAGES) if on_gpu else 1, num_warps=num_warps)
     return out
 
 
 def dense_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   block_n: int | None = None, block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                   block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
+                   stages: int | None = None) -> torch.Tensor:
     y = x.to(torch.float32) @ weight.to(torch.float32).T
     if bias is not None:
         y = y + bias.to(torch.float32)

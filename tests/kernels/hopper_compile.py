@@ -86,10 +86,10 @@ CASES += [
           BLOCK_N=128, BLOCK_K=128), 4, 3),
     ("dense row GEMV", row_gemv_kernel,
      _types({"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
-     dict(FORMAT=0, SBN=1, SBK=1, HAS_BIAS=True, M_PAD=1, BLOCK_N=4, BLOCK_K=256), 4, 3),
+     dict(FORMAT=0, SBN=1, SBK=1, HAS_BIAS=True, M_PAD=1, BLOCK_N=4, BLOCK_K=256, STAGES=3), 4, 3),
     ("FP8 channel row GEMV", row_gemv_kernel,
      _types({"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
-     dict(FORMAT=1, SBN=1, SBK=1, HAS_BIAS=False, M_PAD=2, BLOCK_N=16, BLOCK_K=512), 4, 3),
+     dict(FORMAT=1, SBN=1, SBK=1, HAS_BIAS=False, M_PAD=2, BLOCK_N=16, BLOCK_K=512, STAGES=3), 4, 3),
 ]
 
 # Row kernels whose K loop must come out software-pipelined (asynchronous copies into shared

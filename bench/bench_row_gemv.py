@@ -1,0 +1,73 @@
+"""One-token dense and FP8 linears: the row GEMV at several pipeline depths (dense: against
+cuBLAS, F.linear on the bf16 weight), with enough weight copies in rotation that the 50 MB L2
+serves none of a call's reads.
+
+    python bench/bench_row_gemv.py [--stages 1,2,3,4]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
+from bench_moe_sweep import COPY_CEILING_GBS, graph_time_us  # noqa: E402
+
+import localchat.kernels.fp8_linear as fp8_linear_module  # noqa: E402
+from kernel_checks import quantize_fp8_blocks, rel_err  # noqa: E402
+from localchat.engine.weights.formats import Fp8Weight  # noqa: E402
+from localchat.kernels.fp8_linear import fp8_linear  # noqa: E402
+from localchat.kernels.row_gemv import dense_gemv  # noqa: E402
+
+SHAPES = [("gpt-oss q/k/v", 5120, 2880), ("gpt-oss o_proj", 2880, 4096), ("GLM q/k/v", 14336, 4096),
+          ("GLM o_proj", 4096, 12288)]
+FP8_SHAPES = [("GLM-4.5V-FP8 q/k/v", 14336, 4096), ("GLM-4.5V-FP8 o_proj", 4096, 12288),
+              ("GLM-4.5V-FP8 shared gate/up", 2816, 4096), ("GLM-4.5V-FP8 shared down", 4096, 1408)]
+ROTATION_BYTES = 160e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", default="1,2,3,4")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for name, n, k in SHAPES:
+        nbytes = n * k * 2
+        copies = max(2, int(ROTATION_BYTES // nbytes) + 1)
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x, ws[0]).float()
+        rows = [("cuBLAS", graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in ws]), 0.0)]
+        for st in (int(v) for v in args.stages.split(",")):
+            err = rel_err(dense_gemv(x, ws[0], stages=st), ref)
+            rows.append((f"row GEMV {st} stages", graph_time_us([lambda w=w, st=st: dense_gemv(x, w, stages=st)
+                                                                 for w in ws]), err))
+        for label, us, err in rows:
+            gbs = nbytes / us / 1e3
+            print(f"{name} {n}x{k} M=1 {label}: {us:.1f} us, {gbs / COPY_CEILING_GBS:.0%} of copy, rel err {err:.1e}",
+                  flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    for name, n, k in FP8_SHAPES:  # 128x128 block scales, as the checkpoint
+        nbytes = n * k + 4 * (n // 128) * (k // 128)
+        copies = max(2, int(ROTATION_BYTES // nbytes) + 1)
+        ws = [Fp8Weight(*quantize_fp8_blocks(torch.randn(n, k, device="cuda") / k ** 0.5), block=(128, 128))
+              for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ref = (x.float() @ ws[0].dequantize().T)
+        for st in (int(v) for v in args.stages.split(",")):
+            fp8_linear_module.FP8_GEMV_STAGES = st
+            err = rel_err(fp8_linear(x, ws[0]), ref)
+            us = graph_time_us([lambda w=w: fp8_linear(x, w) for w in ws])
+            gbs = nbytes / us / 1e3
+            print(f"{name} {n}x{k} M=1 row GEMV {st} stages: {us:.1f} us, {gbs / COPY_CEILING_GBS:.0%} of copy, "
+                  f"rel err {err:.1e}", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
