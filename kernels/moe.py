@@ -122,8 +122,8 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
     gain from it, multi-warp ones lost. MXFP4: the packed-f16 row kernels with one pair per program
     up to four pairs per expert (gpt-oss-120b to 128 tokens, gpt-oss-20b to 32), then tensor-core
     tiles; fused_moe falls back to the word-decode kernels for experts other than gpt-oss's clamped
-    SwiGLU. FP8: pipelined row kernels up to half a pair per expert (GLM-4.5V to 8 tokens), plain
-    row kernels up to one, then tiles."""
+    SwiGLU. FP8: pipelined row kernels up to one pair per expert (GLM-4.5V to 16 tokens; 64 rows
+    a program beyond half a pair), then tiles."""
     if not on_gpu:
         return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
     per_expert = num_pairs / max(num_experts, 1)
@@ -132,10 +132,8 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
             return MoeConfig(1, 8, 256, 1, 3 if per_expert <= 0.125 else 2, gemv=True, mx_half2=True)
         return MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True)
     if fmt != FMT_MXFP4 and per_expert <= 1:
-        if fmt in (FMT_FP8_ROW, FMT_FP8_BLK) and per_expert <= 0.5:
-            return MoeConfig(1, 32, 256, 4, 3, gemv=True)
-        if fmt == FMT_FP8_BLK:
-            return MoeConfig(1, 32, 128, 4, 1, gemv=True)
+        if fmt in (FMT_FP8_ROW, FMT_FP8_BLK):
+            return MoeConfig(1, 32 if per_expert <= 0.5 else 64, 256, 4, 3, gemv=True)
         return MoeConfig(1, 16, 256, 4, 1, gemv=True)
     block_k = 256 if fmt == FMT_MXFP4 else 128
     if fmt == FMT_MXFP4 and per_expert <= 16:
