@@ -16,7 +16,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
 from bench_moe_sweep import COPY_CEILING_GBS, graph_time_us  # noqa: E402
 
-import localchat.kernels.fp8_linear as fp8_linear_module  # noqa: E402
 from kernel_checks import quantize_fp8_blocks, rel_err  # noqa: E402
 from localchat.engine.weights.formats import Fp8Weight  # noqa: E402
 from localchat.kernels.fp8_linear import fp8_linear  # noqa: E402
@@ -26,6 +25,9 @@ SHAPES = [("gpt-oss q/k/v", 5120, 2880), ("gpt-oss o_proj", 2880, 4096), ("GLM q
           ("GLM o_proj", 4096, 12288)]
 FP8_SHAPES = [("GLM-4.5V-FP8 q/k/v", 14336, 4096), ("GLM-4.5V-FP8 o_proj", 4096, 12288),
               ("GLM-4.5V-FP8 shared gate/up", 2816, 4096), ("GLM-4.5V-FP8 shared down", 4096, 1408)]
+# FP8 row-GEMV tiles (block_n, block_k, stages); None: the default. 128: one scale block a step
+FP8_TILES = [(None, 128, None), (None, None, None), (None, None, 3), (None, 1024, None), (8, None, None),
+             (16, None, None), (8, 1024, None)]
 ROTATION_BYTES = 160e6
 
 
@@ -58,13 +60,13 @@ def main() -> None:
               for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         ref = (x.float() @ ws[0].dequantize().T)
-        for st in (int(v) for v in args.stages.split(",")):
-            fp8_linear_module.FP8_GEMV_STAGES = st
-            err = rel_err(fp8_linear(x, ws[0]), ref)
-            us = graph_time_us([lambda w=w: fp8_linear(x, w) for w in ws])
+        for bn, bk, st in FP8_TILES:
+            err = rel_err(fp8_linear(x, ws[0], block_n=bn, block_k=bk, stages=st), ref)
+            us = graph_time_us([lambda w=w, bn=bn, bk=bk, st=st: fp8_linear(x, w, block_n=bn, block_k=bk, stages=st)
+                                for w in ws])
             gbs = nbytes / us / 1e3
-            print(f"{name} {n}x{k} M=1 row GEMV {st} stages: {us:.1f} us, {gbs / COPY_CEILING_GBS:.0%} of copy, "
-                  f"rel err {err:.1e}", flush=True)
+            print(f"{name} {n}x{k} M=1 row GEMV n{bn or 'default'} k{bk or 'default'} {st or 'default'} stages: "
+                  f"{us:.1f} us, {gbs / COPY_CEILING_GBS:.0%} of copy, rel err {err:.1e}", flush=True)
         del ws
         torch.cuda.empty_cache()
 

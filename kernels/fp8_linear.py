@@ -48,7 +48,19 @@ def _fp8_linear_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, str
              mask=m_valid[None, :] & n_mask[:, None])
 
 
-def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, on_gpu: bool) -> torch.Tensor:
+def _gemv_block_k(fmt: int, sbk: int) -> int:
+    """K step of the row GEMV: 512 columns, as whole scale blocks when those are a power of two
+    that divides 512 (each block scaled after its partial sum), else the largest divisor of the
+    scale block up to 512. H200, 128x128 blocks, 1 token: 512 against one 128 block a step,
+    GLM-4.5V o_proj 49.0 -> 24.8 us, q/k/v 26.6 -> 22.5 us (bench/bench_row_gemv.py)."""
+    if fmt == FMT_FP8_ROW or (sbk & (sbk - 1) == 0 and 512 % sbk == 0):
+        return 512
+    return math.gcd(sbk, 512)
+
+
+def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, on_gpu: bool,
+                       block_n: int | None = None, block_k: int | None = None,
+                       stages: int | None = None) -> torch.Tensor:
     m, k = x.shape
     n = w.weight.shape[0]
     if w.block is None:
@@ -61,13 +73,20 @@ def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
         s_strides = (s.stride(0), s.stride(1))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m <= GEMV_MAX_M:
-        block_k = 512 if fmt == FMT_FP8_ROW else math.gcd(sbk, 512)
-        block_n = gemv_block_n(n) if on_gpu else 4
+        block_k = block_k or _gemv_block_k(fmt, sbk)
+        if not on_gpu:
+            block_n = block_n or 4
+        elif fmt == FMT_FP8_BLK:
+            # H200, 128x128 blocks, 1 token: 16 rows a program from 4096 outputs (o_proj 24.8 -> 19.3
+            # us against the bf16 choice of 4), 8 below (2816 outputs: 7.7 us, 16 rows 8.2)
+            block_n = block_n or (16 if n >= 4096 else 8)
+        else:
+            block_n = block_n or gemv_block_n(n)
         row_gemv_kernel[(triton.cdiv(n, block_n),)](
             x, x.stride(0), w.weight, w.weight.stride(0), s, *s_strides, bias if bias is not None else x, out,
             out.stride(0), m, n, k, FORMAT=fmt, SBN=sbn, SBK=sbk, HAS_BIAS=bias is not None,
             M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k if on_gpu else min(block_k, 32),
-            STAGES=FP8_GEMV_STAGES if on_gpu else 1, num_warps=4)
+            STAGES=(stages or FP8_GEMV_STAGES) if on_gpu else 1, num_warps=4)
         return out
     if on_gpu:
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -91,8 +110,10 @@ def _scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) 
     return out if bias is None else out + bias.to(x.dtype)
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32), w [N, K] e4m3 with scales -> [..., N] in x.dtype."""
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *, block_n: int | None = None,
+               block_k: int | None = None, stages: int | None = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32), w [N, K] e4m3 with scales -> [..., N] in x.dtype.
+    block_n / block_k / stages: row-GEMV tile override (one or two tokens) for benchmarks."""
     if w.weight.dim() != 2 or x.shape[-1] != w.weight.shape[1]:
         raise ValueError(f"x [..., {x.shape[-1]}] does not match the FP8 weight {tuple(w.weight.shape)}")
     lead = x.shape[:-1]
@@ -104,11 +125,12 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
             and x.dtype != torch.float32:
         out = _scaled_mm_linear(x2, w, bias)
     else:
-        out = _triton_fp8_linear(x2, w, bias, on_gpu)
+        out = _triton_fp8_linear(x2, w, bias, on_gpu, block_n, block_k, stages)
     return out.reshape(*lead, n)
 
 
-def fp8_linear_ref(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear_ref(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *, block_n: int | None = None,
+                   block_k: int | None = None, stages: int | None = None) -> torch.Tensor:
     y = x.to(torch.float32) @ w.dequantize(torch.float32).T
     if bias is not None:
         y = y + bias.to(torch.float32)

@@ -30,31 +30,56 @@ DENSE_GEMV_STAGES = 4
 
 
 @triton.jit
+def _gemv_step_blocks(acc, x_ptr, stride_xm, w_rows, s_ptr, stride_sn, stride_sk, n, n_mask, cols, k0, M, K,
+                      SBN: tl.constexpr, SBK: tl.constexpr, M_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step of BLOCK_K = NSB * SBK block-scaled FP8 columns: each scale block's partial sums
+    [BLOCK_N, NSB] times its scale, then added. -> acc [BLOCK_N, M_PAD]."""
+    NSB: tl.constexpr = BLOCK_K // SBK
+    sb = k0 // SBK + tl.arange(0, NSB)
+    kk = sb[:, None] * SBK + tl.arange(0, SBK)[None, :]  # [NSB, SBK]
+    k_mask = kk < K
+    w = tl.load(w_rows[:, :, None] + kk[None, :, :], mask=n_mask[:, None, None] & k_mask[None, :, :],
+                other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + (n // SBN)[:, None] * stride_sn + sb[None, :] * stride_sk,
+                mask=n_mask[:, None] & (sb * SBK < K)[None, :], other=0.0)
+    for m in tl.static_range(M_PAD):
+        x = tl.load(x_ptr + m * stride_xm + kk, mask=k_mask & ((kk * 0 + m) < M), other=0.0).to(tl.float32)
+        part = tl.sum(tl.sum(w * x[None, :, :], axis=2) * s, axis=1)
+        acc = tl.where(cols[None, :] == m, acc + part[:, None], acc)
+    return acc
+
+
+@triton.jit
 def row_gemv_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, b_ptr, out_ptr, stride_om,
                     M, N, K, FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr,
                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """Each program reads BLOCK_N weight rows once, in contiguous BLOCK_K slabs, and reduces them
     against every token's activations. FORMAT: 0 dense, 1 FP8 channel scales (applied once at
-    the end), 2 FP8 block scales (applied per K step: BLOCK_K divides the scale block). STAGES:
-    depth of the software pipeline over K (asynchronous copies of the weight slabs)."""
+    the end), 2 FP8 block scales (applied per scale block: BLOCK_K divides SBK, or SBK is a power
+    of two dividing BLOCK_K and each step sums BLOCK_K / SBK blocks separately). STAGES: depth of
+    the software pipeline over K (asynchronous copies of the weight slabs)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     cols = tl.arange(0, M_PAD)
     acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = kk < K
-        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if FORMAT == 2:
-            s = tl.load(s_ptr + (n // SBN) * stride_sn + (k0 // SBK) * stride_sk, mask=n_mask, other=0.0)
-        for m in tl.static_range(M_PAD):
-            # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
-            x = tl.load(x_ptr + m * stride_xm + kk, mask=k_mask & ((kk * 0 + m) < M), other=0.0).to(tl.float32)
-            part = tl.sum(w * x[None, :], axis=1)
+        if FORMAT == 2 and BLOCK_K > SBK:
+            acc = _gemv_step_blocks(acc, x_ptr, stride_xm, w_rows, s_ptr, stride_sn, stride_sk, n, n_mask, cols, k0,
+                                    M, K, SBN, SBK, M_PAD, BLOCK_K)
+        else:
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_mask = kk < K
+            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
             if FORMAT == 2:
-                part = part * s
-            acc = tl.where(cols[None, :] == m, acc + part[:, None], acc)
+                s = tl.load(s_ptr + (n // SBN) * stride_sn + (k0 // SBK) * stride_sk, mask=n_mask, other=0.0)
+            for m in tl.static_range(M_PAD):
+                # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
+                x = tl.load(x_ptr + m * stride_xm + kk, mask=k_mask & ((kk * 0 + m) < M), other=0.0).to(tl.float32)
+                part = tl.sum(w * x[None, :], axis=1)
+                if FORMAT == 2:
+                    part = part * s
+                acc = tl.where(cols[None, :] == m, acc + part[:, None], acc)
     if FORMAT == 1:
         acc = acc * tl.load(s_ptr + n * stride_sn, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:

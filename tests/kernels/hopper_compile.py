@@ -90,6 +90,9 @@ CASES += [
     ("FP8 channel row GEMV", row_gemv_kernel,
      _types({"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
      dict(FORMAT=1, SBN=1, SBK=1, HAS_BIAS=False, M_PAD=2, BLOCK_N=16, BLOCK_K=512, STAGES=3), 4, 3),
+    ("FP8 block row GEMV, four scale blocks a step", row_gemv_kernel,
+     _types({"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
+     dict(FORMAT=2, SBN=128, SBK=128, HAS_BIAS=False, M_PAD=1, BLOCK_N=16, BLOCK_K=512, STAGES=4), 4, 4),
 ]
 
 # Row kernels whose K loop must come out software-pipelined (asynchronous copies into shared

@@ -9,10 +9,12 @@ from localchat.kernels.fp8_linear import fp8_linear, fp8_linear_ref
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("block", [None, (32, 32)])
+@pytest.mark.parametrize("block", [None, (32, 32), (16, 16)])
 @pytest.mark.parametrize("m,dtype", [(1, torch.float32), (2, torch.float16), (8, torch.float32), (19, torch.float16)])
 def test_fp8_linear(block, m, dtype):
-    n, k = 72, 80  # partial N and K tiles and scale blocks
+    # partial N and K tiles and scale blocks; 16x16 blocks: one or two tokens step K over two
+    # scale blocks at a time (the second one past K in the last step)
+    n, k = 72, 80
     w = torch.randn(n, k, device=DEV) / 9
     fw = Fp8Weight(*quantize_fp8_blocks(w, *block), block=block) if block else Fp8Weight(*quantize_fp8_rows(w))
     x = torch.randn(2, m, k, device=DEV).to(dtype)
