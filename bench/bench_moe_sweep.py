@@ -29,8 +29,8 @@ from localchat.kernels.moe_routing import route_glm, route_gpt_oss  # noqa: E402
 COPY_CEILING_GBS = 4270.0  # measured device-to-device copy on one H200 (DESIGN.md)
 CALLS = 20
 
-# (block_m, block_n, block_k, num_warps) of the prefetching row kernels tried per token count:
-# MXFP4 word decode (mx_words + prefetch) and the dense/FP8 stream kernels (prefetch); block_m > 1
+# (block_m, block_n, block_k, num_warps) of the row kernels tried per token count: MXFP4 word
+# decode (mx_words + prefetch) and the dense/FP8 row kernels pipelined 3 deep; block_m > 1
 # groups each expert's pairs through moe_align so its weights are decoded/read once.
 NEW_CANDIDATES = {
     "mxfp4": {
@@ -136,7 +136,9 @@ def line(name, t, label, us, nbytes, err):
 
 
 def new_config(fmt, bm, bn, bk, nw):
-    return MoeConfig(bm, bn, bk, nw, 1, gemv=True, mx_words=fmt == "mxfp4", prefetch=True)
+    if fmt == "mxfp4":
+        return MoeConfig(bm, bn, bk, nw, 1, gemv=True, mx_words=True, prefetch=True)
+    return MoeConfig(bm, bn, bk, nw, 3, gemv=True)
 
 
 def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile, candidates=True, tiles=False, half2=False):
@@ -201,7 +203,7 @@ def _label(cfg):
     if not cfg.gemv:
         decode = "" if cfg.mx_dot_scaled else " bit-decode"
         return f"tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{decode}"
-    kind = ("half2" if cfg.mx_half2 else "words" if cfg.mx_words else "stream" if cfg.prefetch else "gemv") + (" pf" if cfg.prefetch and cfg.mx_words else "")
+    kind = ("half2" if cfg.mx_half2 else "words" if cfg.mx_words else "gemv") + (" pf" if cfg.prefetch else "")
     regs = f" r{cfg.max_registers}" if cfg.max_registers else ""
     return f"{kind} m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps}{regs}"
 

@@ -50,7 +50,8 @@ def main() -> None:
     parser.add_argument("--words", action="store_true", help="MXFP4: also time the word-decode kernels "
                         "(the default before the packed-f16 kernels)")
     parser.add_argument("--fp8-rows", default="", help="FP8: also time these row-kernel tiles, kind:n:k:warps:stages "
-                        "with kind gemv or stream, e.g. stream:16:512:4:1,gemv:32:128:4:3")
+                        "with kind gemv or gemvM (M pairs of an expert per program), e.g. "
+                        "gemv:32:256:4:3,gemv4:32:256:4:3")
     args = parser.parse_args()
     torch.manual_seed(0)
     for key in args.only.split(","):
@@ -69,8 +70,9 @@ def main() -> None:
             else:
                 for spec in filter(None, args.fp8_rows.split(",")):
                     kind, bn, bk, nw, ns = spec.split(":")
-                    variants.append((spec, MoeConfig(1, int(bn), int(bk), int(nw), int(ns), gemv=True,
-                                                     prefetch=kind == "stream")))
+                    # gemvM: M pairs of one expert per program (grouped by moe_align)
+                    bm = int(kind[4:] or 1)
+                    variants.append((spec, MoeConfig(bm, int(bn), int(bk), int(nw), int(ns), gemv=True)))
             for label, cfg in variants:
                 calls = [lambda w=w, ids=ids, cfg=cfg, ex=experts: fused_moe(x, ex, w, ids, config=cfg)
                          for w, ids in routings]

@@ -29,7 +29,6 @@ from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT
                        moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
 from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from .moe_gemv_half2 import act_scale_exp, moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
-from .moe_gemv_stream import moe_down_stream_kernel, moe_gate_up_stream_kernel
 from .moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
 
 ACTIVATIONS = {"silu_glu": ACT_SILU_GLU, "swiglu_clamped": ACT_SWIGLU_OAI}
@@ -72,8 +71,8 @@ class MoeConfig:
     num_stages: int = 3
     mx_dot_scaled: bool = True  # MXFP4 through tl.dot_scaled, else the in-kernel bit decode
     gemv: bool = False  # row-streaming kernels for decode sizes; block_m=1 also skips moe_align
-    mx_words: bool = False  # MXFP4 row streaming: decode int32 words of 8 codes (kernels/moe_gemv.py)
-    prefetch: bool = False  # row streaming with the next K chunk in flight (MXFP4 words; dense/FP8 stream kernels)
+    mx_words: bool = False  # MXFP4 row streaming: decode int32 words of 8 codes (kernels/moe_gemv_words.py)
+    prefetch: bool = False  # MXFP4 word decode: the next K chunk requested before the current one is used
     max_registers: int = 0  # registers per thread the compiler may use (0: its choice), for occupancy
     mx_half2: bool = False  # MXFP4 row kernels on packed f16 FMAs, one pair per program (kernels/moe_gemv_half2.py)
 
@@ -227,11 +226,6 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         raise ValueError(f"the MXFP4 row-streaming kernels need block_k a multiple of 32, got {cfg.block_k}")
     if cfg.gemv and cfg.mx_words and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_m > 4:
         raise ValueError(f"the MXFP4 word-decode kernels take at most 4 pairs per program, got block_m {cfg.block_m}")
-    if cfg.gemv and cfg.prefetch:
-        for f, b in ((fmt, sblock), (fmt_d, sdblock)):
-            if f == FMT_FP8_BLK and b[0] % cfg.block_n:
-                raise ValueError(f"the prefetching row kernels need block_n {cfg.block_n} to divide the FP8 "
-                                 f"scale block {b}")
     num_pairs = t * k
     has_bias, bg, bu, bias_strides = _gate_up_biases(experts, x)
     if cfg.mx_half2:
@@ -258,8 +252,6 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
                         HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
     words_up = cfg.gemv and cfg.mx_words and fmt == FMT_MXFP4
     words_down = cfg.gemv and cfg.mx_words and fmt_d == FMT_MXFP4
-    stream_up = cfg.gemv and cfg.prefetch and fmt != FMT_MXFP4
-    stream_down = cfg.gemv and cfg.prefetch and fmt_d != FMT_MXFP4
     x_bf16 = x.dtype == torch.bfloat16
     if words_up:
         # int32 words of 8 codes, strides in 16-byte groups (rows are whole 32-value groups)
@@ -270,9 +262,6 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
             float(experts.alpha), float(experts.limit), SORTED=sorted_pairs, X_BF16=x_bf16, PREFETCH=cfg.prefetch,
             ACT=ACTIVATIONS[experts.activation], HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, **launch)
-    elif stream_up:
-        moe_gate_up_stream_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
-            *gate_up_args, SORTED=sorted_pairs, **gate_up_meta)
     elif cfg.gemv:
         moe_gate_up_gemv_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             *gate_up_args, SORTED=sorted_pairs, STAGES=cfg.num_stages, **gate_up_meta)
@@ -294,8 +283,6 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
             act, act.stride(0), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, *down_args[5:],
             SORTED=sorted_pairs, HAS_BIAS=has_down_bias, X_BF16=x_bf16, PREFETCH=cfg.prefetch,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
-    elif stream_down:
-        moe_down_stream_kernel[(b_max, triton.cdiv(h, cfg.block_n))](*down_args, SORTED=sorted_pairs, **down_meta)
     elif cfg.gemv:
         moe_down_gemv_kernel[(b_max, triton.cdiv(h, cfg.block_n))](*down_args, SORTED=sorted_pairs,
                                                                    STAGES=cfg.num_stages, **down_meta)

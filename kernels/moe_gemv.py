@@ -6,7 +6,8 @@ slabs, decode them in registers and reduce against each pair's activation row wi
 scales are applied once per 32-element group after the partial sum, not per element. Weight
 formats and activations are those of moe_gemm.py. This file holds the code-by-code kernels and
 the pieces every row kernel shares (pair lookup, GLU epilogue); moe_gemv_words.py decodes MXFP4
-a word at a time, moe_gemv_stream.py keeps the next chunk in flight.
+a word at a time. The K loops are software-pipelined to STAGES (asynchronous copies of the next
+chunks into shared memory while the current one is reduced).
 """
 from __future__ import annotations
 
