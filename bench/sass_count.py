@@ -61,16 +61,18 @@ CASES = [  # name, kernel, types, constexprs, warps, stages, weight values per p
     ("down words n16 k256 w2 (32 tokens)", moe_down_words_kernel, WORDS_DOWN,
      dict(SORTED=False, HAS_BIAS=True, X_BF16=True, PREFETCH=False, BLOCK_M=1, BLOCK_N=16,
           BLOCK_K=256), 2, 3, 16 * 256),
-] + [(f"{kind} half2 n{bn} k{bk} w{w}", fn, types, dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=bn, BLOCK_K=bk, STAGES=3), w,
-       3, mats * bn * bk)
+] + [(f"{kind} half2 n{bn} k{bk} w{w}{' scale words' if words else ''}", fn, types,
+       dict(HAS_BIAS=True, INTERPRET=False, SCALE_WORDS=words, BLOCK_N=bn, BLOCK_K=bk, STAGES=3), w, 3, mats * bn * bk)
       for kind, fn, types, mats in (("gate/up", moe_gate_up_half2_kernel, HALF2, 2),
                                     ("down", moe_down_half2_kernel, HALF2_DOWN, 1))
-      for bn, bk, w in ((8, 256, 1), (16, 512, 4))]
+      for bn, bk, w, words in ((8, 256, 1, False), (8, 256, 1, True), (16, 256, 1, False))]
 
 if __name__ == "__main__":
     for name, fn, types, constexprs, warps, stages, values in CASES:
         loop = main_loop(sass(fn, types, constexprs, warps, stages))
         per_thread = values / (32 * warps)
         ops = Counter(opcode(i) for i in loop).most_common(8)
+        sync_loads = sum(1 for i in loop if opcode(i) == "LDG")
         print(f"{name}: {len(loop)} instructions per trip / {per_thread:.0f} values per thread = "
-              f"{len(loop) / per_thread:.2f} per value; {', '.join(f'{o} {n}' for o, n in ops)}")
+              f"{len(loop) / per_thread:.2f} per value, {sync_loads} synchronous global loads; "
+              f"{', '.join(f'{o} {n}' for o, n in ops)}")
