@@ -4,8 +4,16 @@ The Triton interpreter must be chosen before any kernel module is imported (it i
 `@triton.jit` decorates), so it is set here, first, on machines without a CUDA device.
 """
 import os
+import sys
+from pathlib import Path
 
-import torch
+# `python -m pytest` puts the working directory, the repo root, first on sys.path, where the
+# top-level kernels/ folder would shadow the `kernels` package that transformers 5.25+ imports;
+# the tests import the project as the installed `localchat` package instead.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
