@@ -76,6 +76,7 @@ class MoeConfig:
     max_registers: int = 0  # registers per thread the compiler may use (0: its choice), for occupancy
     mx_half2: bool = False  # MXFP4 row kernels on packed f16 FMAs, one pair per program (kernels/moe_gemv_half2.py)
     mx_scale_words: bool = False  # packed-f16 kernels: E8M0 scales through 32-bit loads (_scale_words_view)
+    mx_fused_combine: bool = False  # packed-f16 down kernel adds each token's rows itself (no combine launch)
 
 
 def _rows(w: LinearWeight, rows: slice) -> LinearWeight:
@@ -230,9 +231,8 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     num_pairs = t * k
     has_bias, bg, bu, bias_strides = _gate_up_biases(experts, x)
     if cfg.mx_half2:
-        y = _half2_experts(x, experts, topk_weights, topk_ids, cfg, not on_gpu, (wg, sg, s_strides), (wu, su),
-                           (wd, sd, sd_strides), (bg, bu, bias_strides))
-        return _combine(y, topk_ids, out)
+        return _half2_experts(x, experts, topk_weights, topk_ids, cfg, not on_gpu, (wg, sg, s_strides), (wu, su),
+                              (wd, sd, sd_strides), (bg, bu, bias_strides), out)
     if cfg.gemv and cfg.block_m == 1:
         # one program per pair, in pair order: no grouping pass needed
         block_expert = topk_ids.reshape(-1)
@@ -326,12 +326,30 @@ def _scale_words_view(s: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return torch.as_strided(s, s.shape, s.stride(), s.storage_offset() - shift), shift
 
 
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_ARRIVALS: list[torch.Tensor] = []
+
+
+def _arrival_counts(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 counts, zero, for the down kernel's fused combine; one buffer per device,
+    which every call leaves zero again. A buffer outgrown is kept alive: CUDA graphs captured with
+    it still point at its memory."""
+    counts = _ARRIVALS.get(device)
+    if counts is None or counts.numel() < n:
+        if counts is not None:
+            _RETIRED_ARRIVALS.append(counts)
+        counts = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _ARRIVALS[device] = counts
+    return counts
+
+
 def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                   cfg: MoeConfig, interpret: bool, gate, up, down, biases) -> torch.Tensor:
+                   cfg: MoeConfig, interpret: bool, gate, up, down, biases, out: torch.Tensor) -> torch.Tensor:
     """The experts on kernels/moe_gemv_half2.py: activations to f16 pairs (one launch), gate/up
-    with the clamped SwiGLU, down with the routing weight. gate (weight, scales, scale strides),
-    up (weight, scales), down (weight, scales, scale strides) as _kernel_weight gives them;
-    biases as _gate_up_biases. -> y [T * k, H] float32, the rows the combine adds."""
+    with the clamped SwiGLU, down with the routing weight, then the sum of each token's rows into
+    out [T, H] (a combine launch, or inside the down kernel with mx_fused_combine). gate (weight,
+    scales, scale strides), up (weight, scales), down (weight, scales, scale strides) as
+    _kernel_weight gives them; biases as _gate_up_biases. -> out."""
     t, h = x.shape
     k = topk_ids.shape[1]
     i = experts.intermediate_size
@@ -366,12 +384,15 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias = experts.down_bias is not None
     bd = experts.down_bias if has_down_bias else x
-    moe_down_half2_kernel[(num_pairs, triton.cdiv(h, cfg.block_n))](
+    row_blocks = triton.cdiv(h, cfg.block_n)
+    arrivals = _arrival_counts(x.device, t * row_blocks) if cfg.mx_fused_combine else expert_ids
+    moe_down_half2_kernel[(num_pairs, row_blocks)](
         act.view(torch.int32), float(2.0 ** -act_exp), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, sd, sd_shift,
         *sd_strides, bd, bd.stride(0) if has_down_bias else 0, topk_weights.reshape(-1).to(torch.float32), y,
-        y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret, SCALE_WORDS=scale_words,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
-    return y
+        y.stride(0), expert_ids, h, i, arrivals, out, out.stride(0), HAS_BIAS=has_down_bias, INTERPRET=interpret,
+        SCALE_WORDS=scale_words, COMBINE=cfg.mx_fused_combine, TOP_K=k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        STAGES=cfg.num_stages, **launch)
+    return out if cfg.mx_fused_combine else _combine(y, topk_ids, out)
 
 
 def expert_slice(w: LinearWeight, e: int) -> LinearWeight:

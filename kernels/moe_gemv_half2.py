@@ -248,23 +248,11 @@ def moe_gate_up_half2_kernel(
 
 
 @triton.jit
-def moe_down_half2_kernel(
-        aq_ptr, a_inv_scale,
-        w_ptr, stride_we, stride_wn,
-        s_ptr, s_shift, stride_se, stride_sn, stride_sk,
-        b_ptr, stride_be,
-        pair_weights_ptr, out_ptr, stride_ot, expert_ptr, N, K,
-        HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr, SCALE_WORDS: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """Program (pair, n-block): out[pair, n] = pair weight * (down rows [BLOCK_N] . act + bias) in
-    float32; aq: int32 view of the f16 pair-ordered GLU output [pairs, K / 2] scaled by
-    1 / a_inv_scale."""
-    pair = tl.program_id(0)
-    e = tl.load(expert_ptr + pair)
-    if e < 0:
-        return
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
+def _down_row(aq_ptr, a_inv_scale, w_ptr, stride_we, stride_wn, s_ptr, s_shift, stride_se, stride_sn, stride_sk,
+              b_ptr, stride_be, pair_weights_ptr, y_ptr, stride_yt, pair, e, n, n_mask, K, HAS_BIAS: tl.constexpr,
+              INTERPRET: tl.constexpr, SCALE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              STAGES: tl.constexpr):
+    """y[pair, n] of moe_down_half2_kernel for one pair of expert e (>= 0)."""
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     aq_row = aq_ptr + pair.to(tl.int64) * (K // 2)
@@ -276,4 +264,60 @@ def moe_down_half2_kernel(
     if HAS_BIAS:
         y += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)
     y = y * tl.load(pair_weights_ptr + pair)
-    tl.store(out_ptr + pair.to(tl.int64) * stride_ot + n, y, mask=n_mask)
+    tl.store(y_ptr + pair.to(tl.int64) * stride_yt + n, y, mask=n_mask)
+
+
+@triton.jit
+def _combine_if_last(y_ptr, stride_yt, expert_ptr, arrivals_ptr, out_ptr, stride_out, pair, n, n_mask,
+                     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The TOP_K pair programs of one token and row block count their arrival; the last one adds
+    the token's TOP_K rows of y (float32 [pairs, N]) in pair order, whoever arrives last, casts
+    them into out [T, N] and resets the count for the next call. Rows of expert -1 are skipped."""
+    tok = pair // TOP_K
+    slot = arrivals_ptr + tok * tl.num_programs(1) + tl.program_id(1)
+    tl.debug_barrier()  # every thread's stores of this program's row come before its arrival
+    arrived = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
+    if arrived == TOP_K - 1:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            row = tok * TOP_K + j
+            # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
+            here = (n * 0 + tl.load(expert_ptr + row)) >= 0
+            acc += tl.load(y_ptr + row.to(tl.int64) * stride_yt + n, mask=n_mask & here, other=0.0,
+                           cache_modifier=".cg")  # written by other programs: read from L2
+        tl.store(out_ptr + tok.to(tl.int64) * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+        tl.store(slot, 0)
+
+
+@triton.jit
+def moe_down_half2_kernel(
+        aq_ptr, a_inv_scale,
+        w_ptr, stride_we, stride_wn,
+        s_ptr, s_shift, stride_se, stride_sn, stride_sk,
+        b_ptr, stride_be,
+        pair_weights_ptr, y_ptr, stride_yt, expert_ptr, N, K,
+        arrivals_ptr, out_ptr, stride_out,
+        HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr, SCALE_WORDS: tl.constexpr, COMBINE: tl.constexpr,
+        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Program (pair, n-block): y[pair, n] = pair weight * (down rows [BLOCK_N] . act + bias) in
+    float32; aq: int32 view of the f16 pair-ordered GLU output [pairs, K / 2] scaled by
+    1 / a_inv_scale. COMBINE: the last program of each token and row block also writes the
+    token's sum over its TOP_K pairs to out (_combine_if_last; arrivals: int32 counts, zero
+    between calls), which saves the combine launch."""
+    pair = tl.program_id(0)
+    e = tl.load(expert_ptr + pair)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    if COMBINE:
+        if e >= 0:
+            _down_row(aq_ptr, a_inv_scale, w_ptr, stride_we, stride_wn, s_ptr, s_shift, stride_se, stride_sn,
+                      stride_sk, b_ptr, stride_be, pair_weights_ptr, y_ptr, stride_yt, pair, e, n, n_mask, K,
+                      HAS_BIAS, INTERPRET, SCALE_WORDS, BLOCK_N, BLOCK_K, STAGES)
+        _combine_if_last(y_ptr, stride_yt, expert_ptr, arrivals_ptr, out_ptr, stride_out, pair, n, n_mask, TOP_K,
+                         BLOCK_N)
+    else:
+        if e < 0:
+            return
+        _down_row(aq_ptr, a_inv_scale, w_ptr, stride_we, stride_wn, s_ptr, s_shift, stride_se, stride_sn, stride_sk,
+                  b_ptr, stride_be, pair_weights_ptr, y_ptr, stride_yt, pair, e, n, n_mask, K, HAS_BIAS, INTERPRET,
+                  SCALE_WORDS, BLOCK_N, BLOCK_K, STAGES)
