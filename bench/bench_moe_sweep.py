@@ -69,15 +69,18 @@ HALF2_CANDIDATES = [(8, 256, 1, 3), (16, 256, 2, 3), (32, 256, 4, 3), (16, 512, 
 
 
 def make_case(fmt, e, h, i):
+    """Random experts: gpt-oss MXFP4, or GLM-shaped "fp8_channel" / "fp8_block" / "dense" (bf16)."""
     if fmt == "mxfp4":
         return random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda")
-    return MoeExperts(*random_glm_weights(fmt, e, i, h, device="cuda"))
+    return MoeExperts(*random_glm_weights(fmt, e, i, h, dtype=torch.bfloat16, device="cuda"))
 
 
 def expert_bytes(experts) -> int:
+    """Bytes of one expert's three weights with their scales."""
     total = 0
     for w in (experts.gate, experts.up, experts.down):
-        parts = (w.blocks, w.scales) if isinstance(w, Mxfp4Weight) else (w.weight, w.scale)
+        parts = [w.blocks, w.scales] if isinstance(w, Mxfp4Weight) else [t for t in vars(w).values()
+                                                                          if isinstance(t, torch.Tensor)]
         total += sum(p[0].numel() * p.element_size() for p in parts)
     return total
 
@@ -219,7 +222,8 @@ def main():
     parser.add_argument("--half2", action="store_true", help="time the MXFP4 packed-f16 kernels (HALF2_CANDIDATES) "
                         "instead")
     parser.add_argument("--half2-tiles", default="", help="with --half2: these tiles instead of HALF2_CANDIDATES, "
-                        "n:k:warps:stages[:wc],... (w: scales through 32-bit loads, c: fused combine) e.g. 8:256:1:3,8:256:1:3:wc")
+                        "n:k:warps:stages[:wc],... (w: scales through 32-bit loads, c: fused combine), "
+                        "e.g. 8:256:1:3,8:256:1:3:wc")
     parser.add_argument("--tiles", action="store_true", help="sweep tensor-core tiles (TILE_CANDIDATES) "
                         "instead of the row-kernel candidates")
     args = parser.parse_args()

@@ -2,7 +2,7 @@
 mean over 20 calls with different routings) beside the CUDA-graph time per call, whose
 difference is the time between kernels (launch gaps, ramp-up and tails).
 
-    python bench/moe_breakdown.py [--ts 1,8] [--only mxfp4,fp8_channel,fp8_block] [--words]
+    python bench/moe_breakdown.py [--ts 1,8] [--only mxfp4,fp8_channel,fp8_block,dense] [--words]
 
 Cases as in bench/bench_moe_sweep.py; --words also times MXFP4's word-decode kernels (n8 k256 w1).
 """
@@ -24,7 +24,8 @@ from localchat.kernels.moe import MoeConfig, default_config, fused_moe  # noqa: 
 
 CASES = {"mxfp4": ("gpt-oss-120b MXFP4", 128, 4, 2880, 2880, 3),
          "fp8_channel": ("GLM-4.5V FP8 channel", 128, 8, 4096, 1408, 1),
-         "fp8_block": ("GLM-4.5V FP8 block", 128, 8, 4096, 1408, 2)}
+         "fp8_block": ("GLM-4.5V FP8 block", 128, 8, 4096, 1408, 2),
+         "dense": ("GLM-4.5V bf16", 128, 8, 4096, 1408, 0)}
 
 
 def kernel_times_us(calls) -> dict[str, float]:
@@ -49,9 +50,9 @@ def main() -> None:
     parser.add_argument("--only", default="mxfp4,fp8_channel,fp8_block")
     parser.add_argument("--words", action="store_true", help="MXFP4: also time the word-decode kernels "
                         "(the default before the packed-f16 kernels)")
-    parser.add_argument("--fp8-rows", default="", help="FP8: also time these row-kernel tiles, kind:n:k:warps:stages "
-                        "with kind gemv or gemvM (M pairs of an expert per program), e.g. "
-                        "gemv:32:256:4:3,gemv4:32:256:4:3")
+    parser.add_argument("--fp8-rows", default="", help="FP8 and dense: also time these row-kernel tiles, "
+                        "kind:n:k:warps:stages with kind gemv or gemvM (M pairs of an expert per program), "
+                        "e.g. gemv:32:256:4:3,gemv4:32:256:4:3")
     args = parser.parse_args()
     torch.manual_seed(0)
     for key in args.only.split(","):
