@@ -22,6 +22,11 @@ of them at most 49152, below f16's 65504. Each f16 lane adds at most 8 products;
 the E8M0 scale 2^(s - 127) and 2^-k are applied in float32. The GLU output kept in f16 (11-bit
 mantissa) is finer than the bf16 that the reference rounds it to.
 
+Loads: the K loop is software-pipelined STAGES deep (asynchronous copies of the words and the
+activation pairs); the one-byte E8M0 scales stay ordinary loads unless SCALE_WORDS reads each
+through the 32-bit word that holds it. COMBINE lets the down kernel add each token's rows itself
+(_combine_if_last) instead of a separate combine launch.
+
 Under TRITON_INTERPRET the assembly cannot run; the kernels compute the same group sums in
 float32 instead (INTERPRET=True), which tests every index, order and scale around it.
 """
