@@ -18,14 +18,25 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from bench_moe_sweep import COPY_CEILING_GBS, graph_time_us  # noqa: E402
+from bench_moe_sweep import COPY_CEILING_GBS, copies_out_of_l2, graph_time_us  # noqa: E402
 from kernel_checks import rel_err  # noqa: E402
 
 from localchat.kernels.attention_decode import default_num_splits, paged_decode_attention  # noqa: E402
 
 CASES = [("gpt-oss full", 64, 8, 64, True), ("GLM-4.5V", 96, 8, 128, False)]
 BLOCK_SIZE = 16
-ROTATION_BYTES = 160e6  # > 3x the L2
+
+
+def paged_kv_rotation(copies: int, bsz: int, ctx_len: int, hkv: int, d: int, block_size: int = BLOCK_SIZE):
+    """`copies` random bf16 paged KV caches of bsz sequences of ctx_len tokens, each (k, v, block
+    tables [bsz, ctx_len / block_size]) with its pages in random order."""
+    blocks = bsz * ctx_len // block_size
+    caches = []
+    for _ in range(copies):
+        k = torch.randn(blocks, block_size, hkv, d, device="cuda", dtype=torch.bfloat16)
+        tables = torch.randperm(blocks, device="cuda").view(bsz, -1).to(torch.int32)
+        caches.append((k, torch.randn_like(k), tables))
+    return caches
 
 
 def main() -> None:
@@ -40,13 +51,7 @@ def main() -> None:
     for name, hq, hkv, d, sinks in CASES:
         for bsz in (int(b) for b in args.batches.split(",")):
             kv_bytes = 2 * bsz * ctx_len * hkv * d * 2
-            copies = max(2, int(ROTATION_BYTES // kv_bytes) + 1)
-            blocks = bsz * ctx_len // BLOCK_SIZE
-            caches = []
-            for _ in range(copies):
-                k = torch.randn(blocks, BLOCK_SIZE, hkv, d, device="cuda", dtype=torch.bfloat16)
-                tables = torch.randperm(blocks, device="cuda").view(bsz, -1).to(torch.int32)
-                caches.append((k, torch.randn_like(k), tables))
+            caches = paged_kv_rotation(copies_out_of_l2(kv_bytes), bsz, ctx_len, hkv, d)
             ctx = torch.full((bsz,), ctx_len, dtype=torch.int32, device="cuda")
             q = torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16)
             s = torch.randn(hq, device="cuda") if sinks else None

@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kerne
 from kernel_checks import cuda_time_us, random_glm_weights, random_gpt_oss_experts  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_moe_sweep import CALLS, graph_time_us, random_routings  # noqa: E402
+from bench_attention_splits import paged_kv_rotation  # noqa: E402
+from bench_moe_sweep import CALLS, copies_out_of_l2, graph_time_us, random_routings  # noqa: E402
 
 from localchat.engine.weights.formats import Fp8Weight, Mxfp4Weight  # noqa: E402
 from localchat.kernels.moe import MoeConfig, MoeExperts, expert_slice, fused_moe  # noqa: E402
@@ -176,16 +177,11 @@ def bench_attention() -> None:
     for name, hq, hkv, d, sinks, window in cases:
         for ctx_len in (8192, 32768):
             for bsz in (1, 8, 32):
-                blocks = bsz * ctx_len // block_size
                 keys = min(ctx_len, window or ctx_len)
                 nbytes = 2 * bsz * keys * hkv * d * 2
-                # caches in rotation: more than 3x the L2 of bytes read between two uses of one
-                copies = max(2, int(160e6 // nbytes) + 1) if blocks * block_size * hkv * d * 4 < 8e9 else 1
-                caches = []
-                for _ in range(copies):
-                    k = torch.randn(blocks, block_size, hkv, d, device="cuda", dtype=torch.bfloat16)
-                    tables = torch.randperm(blocks, device="cuda").view(bsz, -1).to(torch.int32)
-                    caches.append((k, torch.randn_like(k), tables))
+                # a single cache past 8 GB of KV is far larger than L2 anyway
+                copies = copies_out_of_l2(nbytes) if bsz * ctx_len * hkv * d * 4 < 8e9 else 1
+                caches = paged_kv_rotation(copies, bsz, ctx_len, hkv, d, block_size)
                 ctx = torch.full((bsz,), ctx_len, dtype=torch.int32, device="cuda")
                 q = torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16)
                 s = torch.randn(hq, device="cuda") if sinks else None

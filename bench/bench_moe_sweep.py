@@ -28,6 +28,13 @@ from localchat.kernels.moe_routing import route_glm, route_gpt_oss  # noqa: E402
 
 COPY_CEILING_GBS = 4270.0  # measured device-to-device copy on one H200 (DESIGN.md)
 CALLS = 20
+L2_ROTATION_BYTES = 160e6  # more than 3x the H200's 50 MB L2
+
+
+def copies_out_of_l2(nbytes: float) -> int:
+    """How many buffers of nbytes to rotate through so that none is still in L2 when its turn
+    comes round again."""
+    return max(2, int(L2_ROTATION_BYTES // nbytes) + 1)
 
 # (block_m, block_n, block_k, num_warps) of the row kernels tried per token count: MXFP4 word
 # decode (mx_words + prefetch) and the dense/FP8 row kernels pipelined 3 deep; block_m > 1

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from bench_moe_sweep import COPY_CEILING_GBS, graph_time_us  # noqa: E402
+from bench_moe_sweep import COPY_CEILING_GBS, copies_out_of_l2, graph_time_us  # noqa: E402
 
 from kernel_checks import quantize_fp8_blocks, rel_err  # noqa: E402
 from localchat.engine.weights.formats import Fp8Weight  # noqa: E402
@@ -28,7 +28,6 @@ FP8_SHAPES = [("GLM-4.5V-FP8 q/k/v", 14336, 4096), ("GLM-4.5V-FP8 o_proj", 4096,
 # FP8 row-GEMV tiles (block_n, block_k, stages); None: the default. 128: one scale block a step
 FP8_TILES = [(None, 128, None), (None, None, None), (None, None, 3), (None, 1024, None), (8, None, None),
              (16, None, None), (8, 1024, None)]
-ROTATION_BYTES = 160e6
 
 
 def main() -> None:
@@ -38,7 +37,7 @@ def main() -> None:
     torch.manual_seed(0)
     for name, n, k in SHAPES:
         nbytes = n * k * 2
-        copies = max(2, int(ROTATION_BYTES // nbytes) + 1)
+        copies = copies_out_of_l2(nbytes)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         ref = torch.nn.functional.linear(x, ws[0]).float()
@@ -55,7 +54,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     for name, n, k in FP8_SHAPES:  # 128x128 block scales, as the checkpoint
         nbytes = n * k + 4 * (n // 128) * (k // 128)
-        copies = max(2, int(ROTATION_BYTES // nbytes) + 1)
+        copies = copies_out_of_l2(nbytes)
         ws = [Fp8Weight(*quantize_fp8_blocks(torch.randn(n, k, device="cuda") / k ** 0.5), block=(128, 128))
               for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

@@ -365,9 +365,12 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     # int32 words of 8 codes, strides in 16-byte groups (rows are whole 32-value groups)
     wg32, wu32, wd32 = wg.view(torch.int32), wu.view(torch.int32), wd.view(torch.int32)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    views = [_scale_words_view(s) for s in (sg, su, sd)] if cfg.mx_scale_words else [None]
-    scale_words = all(v is not None for v in views)
-    (sg, sg_shift), (su, su_shift), (sd, sd_shift) = views if scale_words else ((sg, 0), (su, 0), (sd, 0))
+    views = [_scale_words_view(s) for s in (sg, su, sd)] if cfg.mx_scale_words else []
+    scale_words = bool(views) and all(v is not None for v in views)
+    if scale_words:
+        (sg, sg_shift), (su, su_shift), (sd, sd_shift) = views
+    else:
+        sg_shift = su_shift = sd_shift = 0
     num_pairs = t * k
     expert_ids = topk_ids.reshape(-1)
     xq = torch.empty((t, h), dtype=torch.float16, device=x.device)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .moe_gemm import _row_scale
+from .row_gemv import block_scaled_dot, block_scaled_slab
 
 
 @triton.jit
@@ -67,14 +68,8 @@ def _gemv_chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, pair_ptr, pid_m, 
     elif FORMAT == 2 and BLOCK_K > SBK:
         # several scale blocks per K step (SBK a power of two dividing BLOCK_K): partial sums
         # per block, each scaled once
-        NSB: tl.constexpr = BLOCK_K // SBK
-        sb = k0 // SBK + tl.arange(0, NSB)
-        kk = sb[:, None] * SBK + tl.arange(0, SBK)[None, :]
-        k_mask = kk < K
-        w = tl.load(w_base[:, None, None] + kk[None, :, :], mask=n_mask[:, None, None] & k_mask[None, :, :],
-                    other=0.0).to(tl.float32)
-        s = tl.load(s_ptr + e.to(tl.int64) * stride_se + (n // SBN)[:, None] * stride_sn + sb[None, :] * stride_sk,
-                    mask=n_mask[:, None] & (sb * SBK < K)[None, :], other=0.0)
+        kk, k_mask, w, s = block_scaled_slab(w_base, s_ptr + e.to(tl.int64) * stride_se, n, n_mask, k0, K,
+                                             stride_sn, stride_sk, SBN, SBK, BLOCK_K)
         for m in tl.static_range(BLOCK_M):
             if SORTED:
                 pair = tl.load(pair_ptr + pid_m * BLOCK_M + m)
@@ -87,8 +82,7 @@ def _gemv_chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, pair_ptr, pid_m, 
                 row = pair.to(tl.int64)
             xv = tl.load(x_ptr + tl.where(ok, row, 0) * stride_xt + kk, mask=k_mask & ((kk * 0 + pair) < num_pairs),
                          other=0.0)
-            part = tl.sum(tl.sum(w * xv.to(tl.float32)[None, :, :], axis=2) * s, axis=1)
-            acc = tl.where(cols[None, :] == m, acc + part[:, None], acc)
+            acc = tl.where(cols[None, :] == m, acc + block_scaled_dot(w, s, xv)[:, None], acc)
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
         k_mask = kk < K

@@ -35,6 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .moe_gemm import sum_token_rows
 from .moe_gemv import _e2m1_f32
 from .moe_gemv_words import _mx_words, _mx_words_raw
 
@@ -274,7 +275,7 @@ def _down_row(aq_ptr, a_inv_scale, w_ptr, stride_we, stride_wn, s_ptr, s_shift, 
 
 @triton.jit
 def _combine_if_last(y_ptr, stride_yt, expert_ptr, arrivals_ptr, out_ptr, stride_out, pair, n, n_mask,
-                     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                     TOP_K: tl.constexpr):
     """The TOP_K pair programs of one token and row block count their arrival; the last one adds
     the token's TOP_K rows of y (float32 [pairs, N]) in pair order, whoever arrives last, casts
     them into out [T, N] and resets the count for the next call. Rows of expert -1 are skipped."""
@@ -283,13 +284,8 @@ def _combine_if_last(y_ptr, stride_yt, expert_ptr, arrivals_ptr, out_ptr, stride
     tl.debug_barrier()  # every thread's stores of this program's row come before its arrival
     arrived = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
     if arrived == TOP_K - 1:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            row = tok * TOP_K + j
-            # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
-            here = (n * 0 + tl.load(expert_ptr + row)) >= 0
-            acc += tl.load(y_ptr + row.to(tl.int64) * stride_yt + n, mask=n_mask & here, other=0.0,
-                           cache_modifier=".cg")  # written by other programs: read from L2
+        # rows written by other programs: read from L2 (.cg), past this SM's L1
+        acc = sum_token_rows(y_ptr, stride_yt, expert_ptr, tok, n, n_mask, TOP_K, ".cg")
         tl.store(out_ptr + tok.to(tl.int64) * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
         tl.store(slot, 0)
 
@@ -318,8 +314,7 @@ def moe_down_half2_kernel(
             _down_row(aq_ptr, a_inv_scale, w_ptr, stride_we, stride_wn, s_ptr, s_shift, stride_se, stride_sn,
                       stride_sk, b_ptr, stride_be, pair_weights_ptr, y_ptr, stride_yt, pair, e, n, n_mask, K,
                       HAS_BIAS, INTERPRET, SCALE_WORDS, BLOCK_N, BLOCK_K, STAGES)
-        _combine_if_last(y_ptr, stride_yt, expert_ptr, arrivals_ptr, out_ptr, stride_out, pair, n, n_mask, TOP_K,
-                         BLOCK_N)
+        _combine_if_last(y_ptr, stride_yt, expert_ptr, arrivals_ptr, out_ptr, stride_out, pair, n, n_mask, TOP_K)
     else:
         if e < 0:
             return

@@ -114,9 +114,9 @@ PIPELINED = [
 
 def main() -> int:
     failed = 0
-    for name, fn, types, constexprs, warps, stages in CASES + PIPELINED:
+    for pipelined, (name, fn, types, constexprs, warps, stages) in ([(False, c) for c in CASES]
+                                                                     + [(True, c) for c in PIPELINED]):
         try:
-            pipelined = (name, fn, types, constexprs, warps, stages) in PIPELINED
             # pipelined cases as launched: aligned pointers and strides make the loads vectorizable
             kernel = compile_kernel(fn, types, constexprs, warps, stages, divisible=pipelined)
             if pipelined:

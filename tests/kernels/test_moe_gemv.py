@@ -170,10 +170,14 @@ def test_default_half2_falls_back_to_words_for_other_activations(monkeypatch):
     assert chosen == ["half2"]  # the silu experts took the word decode
 
 
+def _one_token_gpt_oss(dtype):
+    """Two small gpt-oss experts (H=64, I=32), one token of dtype and its routing to one expert."""
+    x = torch.randn(1, 64, device=DEV, dtype=dtype)
+    return _gpt_oss_case(2, 64, 32), x, *route_gpt_oss(torch.randn(1, 2, device=DEV), 1)
+
+
 def test_half2_rejects_what_it_cannot_run():
-    gpt = _gpt_oss_case(2, 64, 32)
-    x = torch.randn(1, 64, device=DEV, dtype=torch.bfloat16)
-    w, ids = route_gpt_oss(torch.randn(1, 2, device=DEV), 1)
+    gpt, x, w, ids = _one_token_gpt_oss(torch.bfloat16)
     with pytest.raises(ValueError, match="one pair per program"):
         fused_moe(x, gpt, w, ids, config=MoeConfig(2, 16, 64, 1, 1, gemv=True, mx_half2=True))
     silu = MoeExperts(gpt.gate, gpt.up, gpt.down, activation="silu_glu")
@@ -212,9 +216,7 @@ def test_fp8_block_gemv_wide_k():
 
 
 def test_new_row_kernels_reject_bad_tiles():
-    gpt = _gpt_oss_case(2, 64, 32)
-    x = torch.randn(1, 64, device=DEV, dtype=torch.float16)
-    w, ids = route_gpt_oss(torch.randn(1, 2, device=DEV), 1)
+    gpt, x, w, ids = _one_token_gpt_oss(torch.float16)
     with pytest.raises(ValueError, match="at most 4 pairs"):
         fused_moe(x, gpt, w, ids, config=MoeConfig(8, 16, 64, 1, 1, gemv=True, mx_words=True))
     glm = MoeExperts(*[Fp8Weight(*quantize_fp8_blocks(torch.randn(2, *s, device=DEV), 16, 32), block=(16, 32))
