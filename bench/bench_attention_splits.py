@@ -4,6 +4,7 @@ call's reads (bench_kernels.py repeats one call, whose 17-34 MB at batch 1 then 
 from L2).
 
     python bench/bench_attention_splits.py [--batches 1,8] [--ctx 8192] [--splits 0,32,64,128,256] [--block-n 32,64]
+        [--warps 4] [--stages 2]
 
 Split count 0 is the default (attention_decode.default_num_splits). Every candidate's output is
 checked against the default's before it is timed.
@@ -15,6 +16,7 @@ import os
 import sys
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
@@ -45,6 +47,8 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=8192)
     parser.add_argument("--splits", default="0,32,64,128,256")
     parser.add_argument("--block-n", default="32,64")
+    parser.add_argument("--warps", default="4")
+    parser.add_argument("--stages", default="2")
     args = parser.parse_args()
     torch.manual_seed(0)
     ctx_len = args.ctx
@@ -56,19 +60,26 @@ def main() -> None:
             q = torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16)
             s = torch.randn(hq, device="cuda") if sinks else None
             ref = paged_decode_attention(q, *caches[0][:2], caches[0][2], ctx, d ** -0.5, s).float()
-            for block_n in (int(b) for b in args.block_n.split(",")):
+            variants = [(int(bn), int(nw), int(ns)) for bn in args.block_n.split(",")
+                        for nw in args.warps.split(",") for ns in args.stages.split(",")]
+            for block_n, warps, stages in variants:
                 for splits in (int(v) for v in args.splits.split(",")):
-                    n = splits or default_num_splits(bsz, hkv, ctx_len, block_n, d)
+                    n = splits or default_num_splits(bsz, hkv, ctx_len, block_n)
                     if n > ctx_len // block_n:
                         continue
-                    err = rel_err(paged_decode_attention(q, *caches[0][:2], caches[0][2], ctx, d ** -0.5, s,
-                                                         num_splits=n, block_n=block_n), ref)
-                    us = graph_time_us([lambda c=c, n=n, bn=block_n: paged_decode_attention(
-                        q, c[0], c[1], c[2], ctx, d ** -0.5, s, num_splits=n, block_n=bn) for c in caches])
+                    opts = dict(num_splits=n, block_n=block_n, num_warps=warps, num_stages=stages)
+                    try:
+                        err = rel_err(paged_decode_attention(q, *caches[0][:2], caches[0][2], ctx, d ** -0.5, s,
+                                                             **opts), ref)
+                    except OutOfResources:  # the stages of this tile do not fit in shared memory
+                        continue
+                    us = graph_time_us([lambda c=c, o=opts: paged_decode_attention(
+                        q, c[0], c[1], c[2], ctx, d ** -0.5, s, **o) for c in caches])
                     gbs = kv_bytes / us / 1e3
                     tag = " (default)" if not splits else ""
-                    print(f"{name} B={bsz} ctx={ctx_len} block_n={block_n} splits={n}{tag}: {us:.1f} us, "
-                          f"{gbs:.0f} GB/s, {gbs / COPY_CEILING_GBS:.0%} of copy, rel err {err:.1e}", flush=True)
+                    print(f"{name} B={bsz} ctx={ctx_len} block_n={block_n} w{warps} s{stages} splits={n}{tag}: "
+                          f"{us:.1f} us, {gbs:.0f} GB/s, {gbs / COPY_CEILING_GBS:.0%} of copy, rel err {err:.1e}",
+                          flush=True)
             del caches
             torch.cuda.empty_cache()
 

@@ -173,12 +173,9 @@ def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile, candidates=True, tile
         for spec in NEW_CANDIDATES[fmt].get(t, NEW_CANDIDATES[fmt][32]) if candidates and not tiles else []:
             cfg = new_config(fmt, *spec)
             cands.append((_label(cfg), cfg))
-        for bn, bk, nw, ns, *opts in HALF2_CANDIDATES if half2 and fmt == "mxfp4" else []:
-            opts = opts[0] if opts else ""
-            cfg = MoeConfig(1, bn, bk, nw, ns, gemv=True, mx_half2=True, mx_scale_words="w" in opts,
-                            mx_fused_combine="c" in opts)
-            cands.append((_label(cfg) + f" s{ns}" + (" scale words" if "w" in opts else "")
-                          + (" fused combine" if "c" in opts else ""), cfg))
+        for bn, bk, nw, ns in HALF2_CANDIDATES if half2 and fmt == "mxfp4" else []:
+            cfg = MoeConfig(1, bn, bk, nw, ns, gemv=True, mx_half2=True)
+            cands.append((_label(cfg) + f" s{ns}", cfg))
         for bm, bn, bk, nw, ns in STAGED_ROW_CANDIDATES[fmt] if tiles else []:
             cfg = MoeConfig(bm, bn, bk, nw, ns, gemv=True, mx_words=fmt == "mxfp4" and bk <= 256)
             cands.append((_label(cfg) + f" s{ns}", cfg))
@@ -229,18 +226,14 @@ def main():
     parser.add_argument("--half2", action="store_true", help="time the MXFP4 packed-f16 kernels (HALF2_CANDIDATES) "
                         "instead")
     parser.add_argument("--half2-tiles", default="", help="with --half2: these tiles instead of HALF2_CANDIDATES, "
-                        "n:k:warps:stages[:wc],... (w: scales through 32-bit loads, c: fused combine), "
-                        "e.g. 8:256:1:3,8:256:1:3:wc")
+                        "n:k:warps:stages,..., e.g. 8:256:1:3,16:256:1:2")
     parser.add_argument("--tiles", action="store_true", help="sweep tensor-core tiles (TILE_CANDIDATES) "
                         "instead of the row-kernel candidates")
     args = parser.parse_args()
     torch.manual_seed(0)
     ts = [int(v) for v in args.ts.split(",")]
     if args.half2_tiles:
-        # an optional fifth field of letters: w, the E8M0 scales through 32-bit loads
-        # (MoeConfig.mx_scale_words); c, the combine inside the down kernel (mx_fused_combine)
-        HALF2_CANDIDATES[:] = [tuple(int(v) if v.isdigit() else v for v in spec.split(":"))
-                               for spec in args.half2_tiles.split(",")]
+        HALF2_CANDIDATES[:] = [tuple(int(v) for v in spec.split(":")) for spec in args.half2_tiles.split(",")]
     dev = torch.cuda.get_device_properties(0)
     print(f"# {dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     print(HEADER)

@@ -2,7 +2,7 @@
 # One round of GPU checks on a CUDA machine where the package is not installed. Steps are chosen
 # with STEPS (default: all but the last four): kernels, model, runtime, serve, kernel-bench,
 # host (engine host-time profile), breakdown (time per MoE kernel), moe-half2 (MXFP4 packed-f16 timings),
-# half2-options (the packed-f16 options' GPU tests and timings). Logs go to $OUT.
+# attention-splits (decode attention against splits, key tile, warps and stages). Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -20,7 +20,5 @@ step kernel-bench && timeout "${BENCH_S:-100}" python3 bench/bench_kernels.py ${
 step host && timeout "${HOST_S:-100}" python3 bench/profile_host.py glm-4.5v-fp8,gpt-oss-20b --layers 2 --batch 32 2>&1 | tee "$OUT/host.log" | grep "ms per step"
 step moe-half2 && timeout "${HALF2_S:-150}" python3 bench/bench_moe_sweep.py --half2 --ts ${HALF2_TS:-1,8,32,64} --only mxfp4,mxfp4_20b 2>&1 | tee "$OUT/half2.log" | grep best
 step breakdown && timeout "${BREAKDOWN_S:-90}" python3 bench/moe_breakdown.py ${BREAKDOWN_ARGS:---ts 1,8 --words} 2>&1 | tee "$OUT/breakdown.log"
-# packed-f16 options (scale words "w", fused combine "c"): GPU tests at the real shapes, then their timing
-step half2-options && timeout "${OPTIONS_TESTS_S:-120}" python3 -m pytest -m gpu tests/kernels/test_moe_gemv.py -k row_kernels -q -s -p no:cacheprovider 2>&1 | tee "$OUT/half2_options_tests.log" | grep -E "rel err|passed|failed"
-step half2-options && timeout "${OPTIONS_S:-200}" python3 bench/bench_moe_sweep.py --half2 --ts ${HALF2_TS:-1,8,32} --only mxfp4,mxfp4_20b --half2-tiles 8:256:1:3,8:256:1:3:w,8:256:1:3:c,8:256:1:3:wc,8:256:1:2,8:256:1:2:wc,16:256:1:2,16:256:1:2:wc 2>&1 | tee "$OUT/half2_options.log" | grep best
+step attention-splits && timeout "${ATTN_S:-300}" python3 bench/bench_attention_splits.py ${ATTN_ARGS:---batches 1,8} 2>&1 | tee "$OUT/attention_splits.log" | tail -80
 exit 0

@@ -2,7 +2,7 @@
 mean over 20 calls with different routings) beside the CUDA-graph time per call, whose
 difference is the time between kernels (launch gaps, ramp-up and tails).
 
-    python bench/moe_breakdown.py [--ts 1,8] [--only mxfp4,fp8_channel,fp8_block,dense] [--words]
+    python bench/moe_breakdown.py [--ts 1,8] [--only mxfp4,fp8_channel,fp8_block,dense] [--words] [--rows ...]
 
 Cases as in bench/bench_moe_sweep.py; --words also times MXFP4's word-decode kernels (n8 k256 w1).
 """
@@ -50,9 +50,10 @@ def main() -> None:
     parser.add_argument("--only", default="mxfp4,fp8_channel,fp8_block")
     parser.add_argument("--words", action="store_true", help="MXFP4: also time the word-decode kernels "
                         "(the default before the packed-f16 kernels)")
-    parser.add_argument("--fp8-rows", default="", help="FP8 and dense: also time these row-kernel tiles, "
-                        "kind:n:k:warps:stages with kind gemv or gemvM (M pairs of an expert per program), "
-                        "e.g. gemv:32:256:4:3,gemv4:32:256:4:3")
+    parser.add_argument("--rows", "--fp8-rows", default="",
+                        help="also time these tiles, kind:n:k:warps:stages with kind gemv or gemvM (M pairs of an "
+                        "expert per program; FP8 and dense), tileM (tensor-core tiles of M rows; FP8 and dense) or "
+                        "half2 (MXFP4 packed f16), e.g. gemv:32:256:4:3,gemv4:32:256:4:3,tile16:64:128:4:4")
     args = parser.parse_args()
     torch.manual_seed(0)
     for key in args.only.split(","):
@@ -65,15 +66,18 @@ def main() -> None:
             nbytes = per_expert * sum(ids.unique().numel() for _, ids in routings) / CALLS
             base = default_config(t * k, e, fmt_code, True, 2)
             variants = [("default", base)]
-            if key == "mxfp4":
-                words = MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True)
-                variants += [("words", words)] if args.words else []
-            else:
-                for spec in filter(None, args.fp8_rows.split(",")):
-                    kind, bn, bk, nw, ns = spec.split(":")
-                    # gemvM: M pairs of one expert per program (grouped by moe_align)
-                    bm = int(kind[4:] or 1)
-                    variants.append((spec, MoeConfig(bm, int(bn), int(bk), int(nw), int(ns), gemv=True)))
+            if key == "mxfp4" and args.words:
+                variants.append(("words", MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True)))
+            for spec in filter(None, args.rows.split(",")):
+                kind, bn, bk, nw, ns = spec.split(":")
+                if (kind == "half2") != (key == "mxfp4"):
+                    continue  # half2 tiles are for MXFP4 only, the others for FP8 and bf16
+                # gemvM: M pairs of one expert per program (grouped by moe_align); tileM: tensor-core
+                # tiles of M rows
+                bm = 1 if kind == "half2" else int(kind[4:] or 1)
+                cfg = MoeConfig(bm, int(bn), int(bk), int(nw), int(ns), gemv=not kind.startswith("tile"),
+                                mx_half2=kind == "half2")
+                variants.append((spec, cfg))
             for label, cfg in variants:
                 calls = [lambda w=w, ids=ids, cfg=cfg, ex=experts: fused_moe(x, ex, w, ids, config=cfg)
                          for w, ids in routings]

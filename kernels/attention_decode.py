@@ -97,25 +97,29 @@ def _decode_combine_kernel(mid_o_ptr, mid_ml_ptr, sinks_ptr, out_ptr, stride_ob,
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def default_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, head_dim: int = 128,
-                       num_sms: int = 132) -> int:
-    """Enough (batch x kv head x split) programs for ~2 per SM at head_dim 128 and ~4 at 64, at
-    most 64 splits and one per key tile. Measured on an H200 at 8K context with the KV cache out
-    of L2 (bench/bench_attention_splits.py): head_dim 64 (gpt-oss) at batch 1 runs 64 splits
-    17% faster than 33, at batch 8 9 splits 20% faster than 5; head_dim 128 (GLM-4.5V) is
-    fastest at ~2 per SM (33 splits at batch 1, 5 at batch 8)."""
-    per_sm = max(1, 256 // head_dim)
-    want = triton.cdiv(per_sm * num_sms, batch * kv_heads)
+def default_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, num_sms: int = 132) -> int:
+    """Up to ~8 (batch x kv head x split) programs per SM (rounded down: about as many as fit in
+    shared memory at once at head_dim 64), at most 64 splits and one per key tile. Measured on an
+    H200 at 8K context with the KV cache out of L2 and two key tiles in flight
+    (bench/bench_attention_splits.py): at batch 8, 16 splits ran 42.5 us against 47.8 us for 9
+    (gpt-oss, head_dim 64) and 79.0 against 86.7 us for 5 (GLM-4.5V, head_dim 128); at batch 1,
+    GLM-4.5V ran 64 splits in 17.2 us against 19.9 us for 33; at batch 32, ~10 programs per SM
+    (5 splits) ran 10-15% slower than either 3 or 8 splits."""
+    want = 8 * num_sms // (batch * kv_heads)
     return max(1, min(want, 64, triton.cdiv(max_context, block_n)))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sinks: torch.Tensor | None = None, window: int | None = None,
-                           num_splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+                           num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
+                           num_stages: int = 2) -> torch.Tensor:
     """q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
     int32; context_lens [B] int32 (>= 1, the query's own key included); sinks [Hq] or None;
-    window: keys i - window < j <= i. Returns [B, Hq, D] in q.dtype."""
+    window: keys i - window < j <= i. Returns [B, Hq, D] in q.dtype. num_splits, block_n (keys
+    per tile), num_warps and num_stages (key tiles in flight) of the split kernel: two tiles in
+    flight leave room in shared memory for more programs per SM, which measured faster than
+    three or four at batch 1-8 (bench/bench_attention_splits.py)."""
     bsz, hq, d = q.shape
     _, block_size, hkv, dk = k_cache.shape
     if dk != d or hq % hkv or d & (d - 1):
@@ -127,7 +131,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits is None:
         # a windowed layer reads at most `window` keys, however long the table
         keys = block_tables.shape[1] * block_size if window is None else min(window, block_tables.shape[1] * block_size)
-        num_splits = default_num_splits(bsz, hkv, keys, block_n, d)
+        num_splits = default_num_splits(bsz, hkv, keys, block_n)
     out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
@@ -139,7 +143,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         scale * LOG2E, window or 0, block_size, hq,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, num_warps=4, num_stages=3)
+        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, num_warps=num_warps, num_stages=num_stages)
     _decode_combine_kernel[(bsz, hq)](
         mid_o, mid_ml, sinks if sinks is not None else q, out, out.stride(0), out.stride(1), hq,
         D=d, NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None)
@@ -173,7 +177,7 @@ def attention_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sinks=None, window=None,
-                               num_splits=None, block_n=64) -> torch.Tensor:
+                               num_splits=None, block_n=64, num_warps=4, num_stages=2) -> torch.Tensor:
     outs = []
     for b in range(q.shape[0]):
         ctx = int(context_lens[b])

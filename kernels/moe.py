@@ -75,8 +75,6 @@ class MoeConfig:
     prefetch: bool = False  # MXFP4 word decode: the next K chunk requested before the current one is used
     max_registers: int = 0  # registers per thread the compiler may use (0: its choice), for occupancy
     mx_half2: bool = False  # MXFP4 row kernels on packed f16 FMAs, one pair per program (kernels/moe_gemv_half2.py)
-    mx_scale_words: bool = False  # packed-f16 kernels: E8M0 scales through 32-bit loads (_scale_words_view)
-    mx_fused_combine: bool = False  # packed-f16 down kernel adds each token's rows itself (no combine launch)
 
 
 def _rows(w: LinearWeight, rows: slice) -> LinearWeight:
@@ -313,41 +311,11 @@ def _combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor) -> torc
     return out
 
 
-def _scale_words_view(s: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """MXFP4 scales s as the packed-f16 kernels read them with mx_scale_words: (a view of the same
-    storage starting at the 4-byte boundary at or before s, s's byte offset from there), or None
-    when the storage is not 4-byte aligned or the 32-bit word holding s's last scale would run
-    past it (then the kernels read bytes)."""
-    storage = s.untyped_storage()
-    shift = s.storage_offset() % 4
-    last = s.storage_offset() + sum((d - 1) * st for d, st in zip(s.shape, s.stride()))
-    if storage.data_ptr() % 4 or last // 4 * 4 + 4 > storage.nbytes():
-        return None
-    return torch.as_strided(s, s.shape, s.stride(), s.storage_offset() - shift), shift
-
-
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-_RETIRED_ARRIVALS: list[torch.Tensor] = []
-
-
-def _arrival_counts(device: torch.device, n: int) -> torch.Tensor:
-    """At least n int32 counts, zero, for the down kernel's fused combine; one buffer per device,
-    which every call leaves zero again. A buffer outgrown is kept alive: CUDA graphs captured with
-    it still point at its memory."""
-    counts = _ARRIVALS.get(device)
-    if counts is None or counts.numel() < n:
-        if counts is not None:
-            _RETIRED_ARRIVALS.append(counts)
-        counts = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = counts
-    return counts
-
-
 def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    cfg: MoeConfig, interpret: bool, gate, up, down, biases, out: torch.Tensor) -> torch.Tensor:
     """The experts on kernels/moe_gemv_half2.py: activations to f16 pairs (one launch), gate/up
     with the clamped SwiGLU, down with the routing weight, then the sum of each token's rows into
-    out [T, H] (a combine launch, or inside the down kernel with mx_fused_combine). gate (weight,
+    out [T, H] (the combine launch). gate (weight,
     scales, scale strides), up (weight, scales), down (weight, scales, scale strides) as
     _kernel_weight gives them; biases as _gate_up_biases. -> out."""
     t, h = x.shape
@@ -365,12 +333,6 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     # int32 words of 8 codes, strides in 16-byte groups (rows are whole 32-value groups)
     wg32, wu32, wd32 = wg.view(torch.int32), wu.view(torch.int32), wd.view(torch.int32)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    views = [_scale_words_view(s) for s in (sg, su, sd)] if cfg.mx_scale_words else []
-    scale_words = bool(views) and all(v is not None for v in views)
-    if scale_words:
-        (sg, sg_shift), (su, su_shift), (sd, sd_shift) = views
-    else:
-        sg_shift = su_shift = sd_shift = 0
     num_pairs = t * k
     expert_ids = topk_ids.reshape(-1)
     xq = torch.empty((t, h), dtype=torch.float16, device=x.device)
@@ -380,22 +342,18 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     act = torch.empty((num_pairs, i), dtype=torch.float16, device=x.device)
     moe_gate_up_half2_kernel[(num_pairs, triton.cdiv(i, cfg.block_n))](
         xq.view(torch.int32), x_inv_scale, wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4,
-        sg, su, sg_shift, su_shift, *s_strides, bg, bu, *bias_strides, act, float(2.0 ** act_exp), expert_ids, i, h, k,
-        float(experts.alpha),
-        float(experts.limit), HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret, SCALE_WORDS=scale_words,
+        sg, su, *s_strides, bg, bu, *bias_strides, act, float(2.0 ** act_exp), expert_ids, i, h, k,
+        float(experts.alpha), float(experts.limit), HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias = experts.down_bias is not None
     bd = experts.down_bias if has_down_bias else x
-    row_blocks = triton.cdiv(h, cfg.block_n)
-    arrivals = _arrival_counts(x.device, t * row_blocks) if cfg.mx_fused_combine else expert_ids
-    moe_down_half2_kernel[(num_pairs, row_blocks)](
-        act.view(torch.int32), float(2.0 ** -act_exp), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, sd, sd_shift,
+    moe_down_half2_kernel[(num_pairs, triton.cdiv(h, cfg.block_n))](
+        act.view(torch.int32), float(2.0 ** -act_exp), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, sd,
         *sd_strides, bd, bd.stride(0) if has_down_bias else 0, topk_weights.reshape(-1).to(torch.float32), y,
-        y.stride(0), expert_ids, h, i, arrivals, out, out.stride(0), HAS_BIAS=has_down_bias, INTERPRET=interpret,
-        SCALE_WORDS=scale_words, COMBINE=cfg.mx_fused_combine, TOP_K=k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        STAGES=cfg.num_stages, **launch)
-    return out if cfg.mx_fused_combine else _combine(y, topk_ids, out)
+        y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
+    return _combine(y, topk_ids, out)
 
 
 def expert_slice(w: LinearWeight, e: int) -> LinearWeight:

@@ -188,15 +188,15 @@ def moe_down_kernel(
 
 
 @triton.jit
-def sum_token_rows(y_ptr, stride_y, ids_ptr, tok, h, mask, TOP_K: tl.constexpr, CACHE: tl.constexpr):
+def sum_token_rows(y_ptr, stride_y, ids_ptr, tok, h, mask, TOP_K: tl.constexpr):
     """sum_j y[tok * TOP_K + j, h] (float32) in pair order over the token's pairs whose expert id
-    (ids [T*k]) is not -1: those rows were never written. CACHE: the loads' cache modifier."""
+    (ids [T*k]) is not -1: those rows were never written."""
     acc = tl.zeros(h.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         row = tok * TOP_K + j
         # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
         here = (h * 0 + tl.load(ids_ptr + row)) >= 0
-        acc += tl.load(y_ptr + row.to(tl.int64) * stride_y + h, mask=mask & here, other=0.0, cache_modifier=CACHE)
+        acc += tl.load(y_ptr + row.to(tl.int64) * stride_y + h, mask=mask & here, other=0.0)
     return acc
 
 
@@ -207,5 +207,5 @@ def moe_combine_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H:
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H
-    acc = sum_token_rows(y_ptr, H, ids_ptr, t, h, mask, TOP_K, "")
+    acc = sum_token_rows(y_ptr, H, ids_ptr, t, h, mask, TOP_K)
     tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=mask)

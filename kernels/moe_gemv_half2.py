@@ -23,9 +23,8 @@ the E8M0 scale 2^(s - 127) and 2^-k are applied in float32. The GLU output kept 
 mantissa) is finer than the bf16 that the reference rounds it to.
 
 Loads: the K loop is software-pipelined STAGES deep (asynchronous copies of the words and the
-activation pairs); the one-byte E8M0 scales stay ordinary loads unless SCALE_WORDS reads each
-through the 32-bit word that holds it. COMBINE lets the down kernel add each token's rows itself
-(_combine_if_last) instead of a separate combine launch.
+activation pairs); the one-byte E8M0 scales stay ordinary loads (reading them through 32-bit
+words, so that they are copied ahead too, measured slower: bench/NOTES-moe.md).
 
 Under TRITON_INTERPRET the assembly cannot run; the kernels compute the same group sums in
 float32 instead (INTERPRET=True), which tests every index, order and scale around it.
@@ -35,9 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_gemm import sum_token_rows
 from .moe_gemv import _e2m1_f32
-from .moe_gemv_words import _mx_words, _mx_words_raw
+from .moe_gemv_words import _mx_words_raw
 
 X_MAX_EXP = 14  # scaled activations stay below 2^14 in magnitude
 _PAIRS = [(0, 2), (4, 6), (1, 3), (5, 7)]  # codes of a word in its four f16x2 registers (low, high)
@@ -165,31 +163,12 @@ def _group_dot(w, x0, x1, x2, x3, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _scales_by_word(s_ptr, s_shift, e, n, n_mask, k0, K, stride_se, stride_sn, stride_sk, BLOCK_K: tl.constexpr):
-    """The E8M0 scales of one K chunk (int32 [BLOCK_N, G]) through 32-bit loads of the words that
-    hold them: s_ptr is 4-byte aligned and the scales start s_shift bytes after it. The compiler's
-    pipeliner streams 4-byte loads ahead of their use, one-byte loads it leaves in the loop."""
-    BLOCK_G: tl.constexpr = BLOCK_K // 32
-    g = k0 // 32 + tl.arange(0, BLOCK_G)
-    g_mask = g < K // 32
-    off = s_shift + e.to(tl.int64) * stride_se + n.to(tl.int64)[:, None] * stride_sn + g[None, :] * stride_sk
-    word = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + (off >> 2), mask=n_mask[:, None] & g_mask[None, :],
-                   other=0)
-    return (word >> ((off & 3) * 8).to(tl.int32)) & 0xFF
-
-
-@triton.jit
-def _chunk(acc, w_ptr, s_ptr, s_shift, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
-           stride_sn, stride_sk, INTERPRET: tl.constexpr, SCALE_WORDS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se, stride_sn,
+           stride_sk, INTERPRET: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [BN, G] + this K chunk's group sums times 2^(s - 127 + 6), from the E8M0 exponent
-    field (valid for scales s <= 248). SCALE_WORDS: scales through _scales_by_word, else one-byte
-    loads (s_shift unused)."""
-    if SCALE_WORDS:
-        w = _mx_words(w_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K)
-        scale = _scales_by_word(s_ptr, s_shift, e, n, n_mask, k0, K, stride_se, stride_sn, stride_sk, BLOCK_K)
-    else:
-        w, scale = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se, stride_sn,
-                                 stride_sk, BLOCK_K)
+    field (valid for scales s <= 248)."""
+    w, scale = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se, stride_sn,
+                             stride_sk, BLOCK_K)
     mult = ((scale.to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)
     return acc + _group_dot(w, x0, x1, x2, x3, INTERPRET) * mult
 
@@ -214,10 +193,10 @@ def mx_half2_x_kernel(x_ptr, stride_xt, xq_ptr, inv_scale_ptr, H, BLOCK_H: tl.co
 def moe_gate_up_half2_kernel(
         xq_ptr, x_inv_scale_ptr,
         wg_ptr, wu_ptr, stride_we, stride_wn,
-        sg_ptr, su_ptr, sg_shift, su_shift, stride_se, stride_sn, stride_sk,
+        sg_ptr, su_ptr, stride_se, stride_sn, stride_sk,
         bg_ptr, bu_ptr, stride_be, stride_bn,
         out_ptr, act_scale, expert_ptr, N, K, top_k, alpha, limit,
-        HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr, SCALE_WORDS: tl.constexpr,
+        HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """Program (pair, n-block): gate and up rows [BLOCK_N] of the pair's expert against the
     pair's token, clamped SwiGLU (gpt-oss), stored as f16 act * act_scale in pair order to
@@ -236,10 +215,10 @@ def moe_gate_up_half2_kernel(
     xq_row = xq_ptr + tok * (K // 2)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         x0, x1, x2, x3 = _x_pairs(xq_row, k0, K, BLOCK_K)
-        acc_g = _chunk(acc_g, wg_ptr, sg_ptr, sg_shift, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn,
-                       stride_se, stride_sn, stride_sk, INTERPRET, SCALE_WORDS, BLOCK_K)
-        acc_u = _chunk(acc_u, wu_ptr, su_ptr, su_shift, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn,
-                       stride_se, stride_sn, stride_sk, INTERPRET, SCALE_WORDS, BLOCK_K)
+        acc_g = _chunk(acc_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
+                       stride_sn, stride_sk, INTERPRET, BLOCK_K)
+        acc_u = _chunk(acc_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
+                       stride_sn, stride_sk, INTERPRET, BLOCK_K)
     inv = tl.load(x_inv_scale_ptr + tok)
     g = tl.sum(acc_g, axis=1) * inv
     u = tl.sum(acc_u, axis=1) * inv
@@ -254,70 +233,32 @@ def moe_gate_up_half2_kernel(
 
 
 @triton.jit
-def _down_row(aq_ptr, a_inv_scale, w_ptr, stride_we, stride_wn, s_ptr, s_shift, stride_se, stride_sn, stride_sk,
-              b_ptr, stride_be, pair_weights_ptr, y_ptr, stride_yt, pair, e, n, n_mask, K, HAS_BIAS: tl.constexpr,
-              INTERPRET: tl.constexpr, SCALE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              STAGES: tl.constexpr):
-    """y[pair, n] of moe_down_half2_kernel for one pair of expert e (>= 0)."""
+def moe_down_half2_kernel(
+        aq_ptr, a_inv_scale,
+        w_ptr, stride_we, stride_wn,
+        s_ptr, stride_se, stride_sn, stride_sk,
+        b_ptr, stride_be,
+        pair_weights_ptr, y_ptr, stride_yt, expert_ptr, N, K,
+        HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Program (pair, n-block): y[pair, n] = pair weight * (down rows [BLOCK_N] . act + bias) in
+    float32; aq: int32 view of the f16 pair-ordered GLU output [pairs, K / 2] scaled by
+    1 / a_inv_scale."""
+    pair = tl.program_id(0)
+    e = tl.load(expert_ptr + pair)
+    if e < 0:
+        return
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     aq_row = aq_ptr + pair.to(tl.int64) * (K // 2)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         x0, x1, x2, x3 = _x_pairs(aq_row, k0, K, BLOCK_K)
-        acc = _chunk(acc, w_ptr, s_ptr, s_shift, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn,
-                     stride_se, stride_sn, stride_sk, INTERPRET, SCALE_WORDS, BLOCK_K)
+        acc = _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
+                     stride_sn, stride_sk, INTERPRET, BLOCK_K)
     y = tl.sum(acc, axis=1) * a_inv_scale
     if HAS_BIAS:
         y += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)
     y = y * tl.load(pair_weights_ptr + pair)
     tl.store(y_ptr + pair.to(tl.int64) * stride_yt + n, y, mask=n_mask)
-
-
-@triton.jit
-def _combine_if_last(y_ptr, stride_yt, expert_ptr, arrivals_ptr, out_ptr, stride_out, pair, n, n_mask,
-                     TOP_K: tl.constexpr):
-    """The TOP_K pair programs of one token and row block count their arrival; the last one adds
-    the token's TOP_K rows of y (float32 [pairs, N]) in pair order, whoever arrives last, casts
-    them into out [T, N] and resets the count for the next call. Rows of expert -1 are skipped."""
-    tok = pair // TOP_K
-    slot = arrivals_ptr + tok * tl.num_programs(1) + tl.program_id(1)
-    tl.debug_barrier()  # every thread's stores of this program's row come before its arrival
-    arrived = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
-    if arrived == TOP_K - 1:
-        # rows written by other programs: read from L2 (.cg), past this SM's L1
-        acc = sum_token_rows(y_ptr, stride_yt, expert_ptr, tok, n, n_mask, TOP_K, ".cg")
-        tl.store(out_ptr + tok.to(tl.int64) * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-        tl.store(slot, 0)
-
-
-@triton.jit
-def moe_down_half2_kernel(
-        aq_ptr, a_inv_scale,
-        w_ptr, stride_we, stride_wn,
-        s_ptr, s_shift, stride_se, stride_sn, stride_sk,
-        b_ptr, stride_be,
-        pair_weights_ptr, y_ptr, stride_yt, expert_ptr, N, K,
-        arrivals_ptr, out_ptr, stride_out,
-        HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr, SCALE_WORDS: tl.constexpr, COMBINE: tl.constexpr,
-        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """Program (pair, n-block): y[pair, n] = pair weight * (down rows [BLOCK_N] . act + bias) in
-    float32; aq: int32 view of the f16 pair-ordered GLU output [pairs, K / 2] scaled by
-    1 / a_inv_scale. COMBINE: the last program of each token and row block also writes the
-    token's sum over its TOP_K pairs to out (_combine_if_last; arrivals: int32 counts, zero
-    between calls), which saves the combine launch."""
-    pair = tl.program_id(0)
-    e = tl.load(expert_ptr + pair)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    if COMBINE:
-        if e >= 0:
-            _down_row(aq_ptr, a_inv_scale, w_ptr, stride_we, stride_wn, s_ptr, s_shift, stride_se, stride_sn,
-                      stride_sk, b_ptr, stride_be, pair_weights_ptr, y_ptr, stride_yt, pair, e, n, n_mask, K,
-                      HAS_BIAS, INTERPRET, SCALE_WORDS, BLOCK_N, BLOCK_K, STAGES)
-        _combine_if_last(y_ptr, stride_yt, expert_ptr, arrivals_ptr, out_ptr, stride_out, pair, n, n_mask, TOP_K)
-    else:
-        if e < 0:
-            return
-        _down_row(aq_ptr, a_inv_scale, w_ptr, stride_we, stride_wn, s_ptr, s_shift, stride_se, stride_sn, stride_sk,
-                  b_ptr, stride_be, pair_weights_ptr, y_ptr, stride_yt, pair, e, n, n_mask, K, HAS_BIAS, INTERPRET,
-                  SCALE_WORDS, BLOCK_N, BLOCK_K, STAGES)

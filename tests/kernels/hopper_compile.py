@@ -47,8 +47,7 @@ HALF2 = _types({"xq_ptr": "*i32", "x_inv_scale_ptr": "*fp32", "aq_ptr": "*i32", 
                 "b_ptr": "*bf16", "out_ptr": "*fp16", "expert_ptr": "*i64", "pair_weights_ptr": "*fp32",
                 "act_scale": "fp32", "a_inv_scale": "fp32", "alpha": "fp32", "limit": "fp32"})
 HALF2_DOWN = _types({**{n: HALF2(n) for n in ("aq_ptr", "a_inv_scale", "w_ptr", "s_ptr", "b_ptr", "expert_ptr",
-                                              "pair_weights_ptr")}, "y_ptr": "*fp32", "arrivals_ptr": "*i32",
-                     "out_ptr": "*bf16"})
+                                              "pair_weights_ptr")}, "y_ptr": "*fp32"})
 TILE_FP8 = _types({"x_ptr": "*bf16", "a_ptr": "*bf16", "wg_ptr": "*fp8e4nv", "wu_ptr": "*fp8e4nv",
                    "w_ptr": "*fp8e4nv", "sg_ptr": "*fp32", "su_ptr": "*fp32", "s_ptr": "*fp32", "bg_ptr": "*bf16",
                    "bu_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ids_ptr": "*i32",
@@ -66,10 +65,9 @@ for prefetch in (False, True):
                   dict(SORTED=False, HAS_BIAS=True, X_BF16=True, PREFETCH=prefetch, BLOCK_M=1, BLOCK_N=16,
                        BLOCK_K=256), 2, 3))
 for bn, bk, warps in ((8, 256, 1), (16, 512, 4)):
-    half2 = dict(HAS_BIAS=True, INTERPRET=False, SCALE_WORDS=bn == 8, BLOCK_N=bn, BLOCK_K=bk, STAGES=3)
+    half2 = dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=bn, BLOCK_K=bk, STAGES=3)
     CASES.append((f"MXFP4 gate/up half2 n{bn} k{bk}", moe_gate_up_half2_kernel, HALF2, half2, warps, 3))
-    CASES.append((f"MXFP4 down half2 n{bn} k{bk}", moe_down_half2_kernel, HALF2_DOWN,
-                  {**half2, "COMBINE": bn == 8, "TOP_K": 4}, warps, 3))
+    CASES.append((f"MXFP4 down half2 n{bn} k{bk}", moe_down_half2_kernel, HALF2_DOWN, half2, warps, 3))
 CASES += [
     ("MXFP4 half2 activations", mx_half2_x_kernel,
      _types({"x_ptr": "*bf16", "xq_ptr": "*fp16", "inv_scale_ptr": "*fp32"}), dict(BLOCK_H=4096), 4, 1),
@@ -105,7 +103,7 @@ GEMV_FP8 = _types({"x_ptr": "*bf16", "wg_ptr": "*fp8e4nv", "wu_ptr": "*fp8e4nv",
                    "alpha": "fp32", "limit": "fp32"})
 PIPELINED = [
     ("MXFP4 gate/up half2 n8 k256 w1, 3 stages", moe_gate_up_half2_kernel, HALF2,
-     dict(HAS_BIAS=True, INTERPRET=False, SCALE_WORDS=False, BLOCK_N=8, BLOCK_K=256, STAGES=3), 1, 3),
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3), 1, 3),
     ("FP8 gate/up row kernel n32 k256 w4, 3 stages", moe_gate_up_gemv_kernel, GEMV_FP8,
      dict(FORMAT=1, SBN=1, SBK=1, SORTED=False, ACT=0, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
           STAGES=3), 4, 3),

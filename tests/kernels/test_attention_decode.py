@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kernel_checks import TOL, cuda_time_us, paged_cache, rel_err
-from localchat.kernels.attention_decode import paged_decode_attention, paged_decode_attention_ref
+from localchat.kernels.attention_decode import default_num_splits, paged_decode_attention, paged_decode_attention_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -21,6 +21,15 @@ def test_decode_matches_reference(dtype, sinks, window, num_splits):
     ref = paged_decode_attention_ref(q, k, v, tables, ctx, d ** -0.5, s, window)
     assert out.shape == q.shape
     assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_default_splits_fill_the_sms_without_an_extra_wave():
+    # 8 KV heads on 132 SMs: at most 8 programs per SM, rounded down; at most 64 splits and one
+    # per 64-key tile
+    assert [default_num_splits(b, 8, 8192, 64) for b in (1, 8, 16, 32, 128, 512)] == [64, 16, 8, 4, 1, 1]
+    assert default_num_splits(1, 8, 200, 64) == 4
+    for b in (1, 3, 8, 20, 32):
+        assert b * 8 * default_num_splits(b, 8, 1 << 20, 64) <= 8 * 132 or default_num_splits(b, 8, 1 << 20, 64) == 1
 
 
 def test_sink_dominates_when_large():

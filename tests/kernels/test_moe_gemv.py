@@ -100,44 +100,21 @@ def test_mxfp4_words_keep_half_codes(dtype):
     assert rel_err(fused_moe(x, experts, w, ids, config=cfg), ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype,block_n,block_k,scale_words,fused", [(torch.bfloat16, 32, 64, False, False),
-                                                                     (torch.float16, 16, 128, False, False),
-                                                                     (torch.bfloat16, 32, 32, False, False),
-                                                                     (torch.bfloat16, 32, 64, True, False),
-                                                                     (torch.float16, 8, 128, True, True),
-                                                                     (torch.bfloat16, 16, 64, False, True)])
-def test_gpt_oss_mxfp4_half2(dtype, block_n, block_k, scale_words, fused):
+@pytest.mark.parametrize("dtype,block_n,block_k", [(torch.bfloat16, 32, 64), (torch.float16, 16, 128),
+                                                   (torch.bfloat16, 32, 32), (torch.float16, 8, 128)])
+def test_gpt_oss_mxfp4_half2(dtype, block_n, block_k):
     # H=96 / I=160 leave partial K chunks and a partial row block; 6 experts for 6 pairs, one
-    # pair's expert -1; token rows of very different magnitudes (each gets its own 2^k). Scale
-    # rows of 3 and 5 bytes: read through 32-bit words, every byte position within a word occurs.
-    # The fused combine runs twice (its arrival counts must be zero again after each call).
-    from localchat.kernels.moe import _ARRIVALS
-
+    # pair's expert -1; token rows of very different magnitudes (each gets its own 2^k).
     e, k, h, i, t = 6, 2, 96, 160, 3
     experts = _gpt_oss_case(e, h, i, scale_lo=110, scale_hi=131)
-    cfg = MoeConfig(1, block_n, block_k, 1, 1, gemv=True, mx_half2=True, mx_scale_words=scale_words,
-                    mx_fused_combine=fused)
-    for _ in range(2 if fused else 1):
-        x = torch.randn(t, h, device=DEV, dtype=dtype) * torch.tensor([[1e-3], [1.0], [300.0]], device=DEV).to(dtype)
-        w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
-        ids[2, 1] = -1
-        out = fused_moe(x, experts, w, ids, config=cfg)
-        ref = fused_moe_ref(x, experts, w, ids)
-        for row in range(t):  # each token to its own relative error, whatever its magnitude
-            assert rel_err(out[row], ref[row]) < TOL[dtype]
-        if fused:
-            assert not _ARRIVALS[x.device].any()
-
-
-def test_scale_words_view_stays_inside_the_storage():
-    from localchat.kernels.moe import _scale_words_view
-
-    stack = torch.arange(2 * 6 * 5, dtype=torch.uint8).view(2, 6, 5)  # 60 bytes: whole words
-    up = stack[:, 1::2]  # rows start 5 bytes in: off a word boundary
-    view, shift = _scale_words_view(up)
-    assert shift == 1 and view.storage_offset() == 4 and torch.equal(view, stack.view(-1)[4:].as_strided(
-        up.shape, up.stride()))
-    assert _scale_words_view(torch.zeros(1, 2, 3, dtype=torch.uint8)) is None  # last word would pass byte 6
+    cfg = MoeConfig(1, block_n, block_k, 1, 1, gemv=True, mx_half2=True)
+    x = torch.randn(t, h, device=DEV, dtype=dtype) * torch.tensor([[1e-3], [1.0], [300.0]], device=DEV).to(dtype)
+    w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
+    ids[2, 1] = -1
+    out = fused_moe(x, experts, w, ids, config=cfg)
+    ref = fused_moe_ref(x, experts, w, ids)
+    for row in range(t):  # each token to its own relative error, whatever its magnitude
+        assert rel_err(out[row], ref[row]) < TOL[dtype]
 
 
 def test_half2_order_matches_kernel_positions():
@@ -235,11 +212,8 @@ def test_new_row_kernels_reject_bad_tiles():
     (1, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True)),
     (1, MoeConfig(1, 16, 512, 4, 3, gemv=True, mx_half2=True)),
     (1, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_half2=True)),
-    (1, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_half2=True, mx_scale_words=True)),
     (8, MoeConfig(1, 8, 256, 1, 2, gemv=True, mx_half2=True)),
-    (32, MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True, mx_scale_words=True)),
-    (1, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_half2=True, mx_fused_combine=True)),
-    (32, MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True, mx_fused_combine=True)),
+    (32, MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True)),
 ])
 def test_gpt_oss_row_kernels_gpu(t, cfg):
     e, k, h, i = 128, 4, 2880, 2880
