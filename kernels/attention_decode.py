@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gpu_facts import MEASURED_SMS, sm_count
+
 LOG2E = 1.4426950408889634
 
 
@@ -97,7 +99,8 @@ def _decode_combine_kernel(mid_o_ptr, mid_ml_ptr, sinks_ptr, out_ptr, stride_ob,
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def default_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, num_sms: int = 132) -> int:
+def default_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int,
+                       num_sms: int = MEASURED_SMS) -> int:
     """Up to ~8 (batch x kv head x split) programs per SM (rounded down: about as many as fit in
     shared memory at once at head_dim 64), at most 64 splits and one per key tile. Measured on an
     H200 at 8K context with the KV cache out of L2 and two key tiles in flight
@@ -131,7 +134,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits is None:
         # a windowed layer reads at most `window` keys, however long the table
         keys = block_tables.shape[1] * block_size if window is None else min(window, block_tables.shape[1] * block_size)
-        num_splits = default_num_splits(bsz, hkv, keys, block_n)
+        num_splits = default_num_splits(bsz, hkv, keys, block_n, sm_count(q.device))
     out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..engine.weights.formats import Fp8Weight
+from .gpu_facts import sm_count
 from .moe_gemm import FMT_FP8_BLK, FMT_FP8_ROW, _row_scale, _weight_dot
 from .row_gemv import GEMV_MAX_M, gemv_block_n, row_gemv_kernel
 
@@ -81,7 +82,7 @@ def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
             # us against the bf16 choice of 4), 8 below (2816 outputs: 7.7 us, 16 rows 8.2)
             block_n = block_n or (16 if n >= 4096 else 8)
         else:
-            block_n = block_n or gemv_block_n(n)
+            block_n = block_n or gemv_block_n(n, sm_count(x.device))
         row_gemv_kernel[(triton.cdiv(n, block_n),)](
             x, x.stride(0), w.weight, w.weight.stride(0), s, *s_strides, bias if bias is not None else x, out,
             out.stride(0), m, n, k, FORMAT=fmt, SBN=sbn, SBK=sbk, HAS_BIAS=bias is not None,

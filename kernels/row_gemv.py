@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gpu_facts import MEASURED_SMS, sm_count
 from .moe_gemm import FMT_DENSE
 
 GEMV_MAX_M = 2  # H200, FP8: 1 token 2.4x faster than the tile kernel; at 4 the two are even, at 8 the tile wins
@@ -22,7 +23,6 @@ GEMV_MAX_M = 2  # H200, FP8: 1 token 2.4x faster than the tile kernel; at 4 the 
 # 32 programs, each a long serial stream) it is faster too (5.9 vs 6.1 us bf16).
 DENSE_GEMV_MAX_M = 1
 DENSE_GEMV_MIN_N = 1024
-NUM_SMS = 132  # H200; the row split only needs to be about right
 # Software-pipeline depth over K for dense weights. H200, bf16, 1 token, weights out of L2
 # (bench/bench_row_gemv.py): 4 stages against none, gpt-oss q/k/v 12.7 -> 10.3 us, o_proj 13.1 ->
 # 9.9 us, GLM o_proj 37.4 -> 28.4 us, GLM q/k/v 31.7 -> 32.7 us.
@@ -97,10 +97,10 @@ def row_gemv_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, stride
              mask=(cols < M)[None, :] & n_mask[:, None])
 
 
-def gemv_block_n(n: int) -> int:
+def gemv_block_n(n: int, num_sms: int = MEASURED_SMS) -> int:
     """Rows per program: as many as still leave about four programs per SM."""
     for block_n in (16, 8):
-        if triton.cdiv(n, block_n) >= 4 * NUM_SMS:
+        if triton.cdiv(n, block_n) >= 4 * num_sms:
             return block_n
     return 4
 
@@ -117,7 +117,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                          f"weight {tuple(weight.shape)} with strides {weight.stride()}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     on_gpu = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    block_n = block_n or (gemv_block_n(n) if on_gpu else 4)
+    block_n = block_n or (gemv_block_n(n, sm_count(x.device)) if on_gpu else 4)
     block_k = block_k or (256 if on_gpu else 32)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     row_gemv_kernel[(triton.cdiv(n, block_n),)](

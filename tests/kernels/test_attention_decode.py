@@ -4,6 +4,7 @@ import torch
 
 from kernel_checks import TOL, cuda_time_us, paged_cache, rel_err
 from localchat.kernels.attention_decode import default_num_splits, paged_decode_attention, paged_decode_attention_ref
+from localchat.kernels.gpu_facts import sm_count
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -30,6 +31,8 @@ def test_default_splits_fill_the_sms_without_an_extra_wave():
     assert default_num_splits(1, 8, 200, 64) == 4
     for b in (1, 3, 8, 20, 32):
         assert b * 8 * default_num_splits(b, 8, 1 << 20, 64) <= 8 * 132 or default_num_splits(b, 8, 1 << 20, 64) == 1
+    assert default_num_splits(8, 8, 8192, 64, num_sms=114) == 14  # scales with the GPU (an H100 PCIe)
+    assert sm_count(torch.device("cpu")) == 132  # off the GPU: the count the defaults were measured with
 
 
 def test_sink_dominates_when_large():
