@@ -315,9 +315,9 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
                    cfg: MoeConfig, interpret: bool, gate, up, down, biases, out: torch.Tensor) -> torch.Tensor:
     """The experts on kernels/moe_gemv_half2.py: activations to f16 pairs (one launch), gate/up
     with the clamped SwiGLU, down with the routing weight, then the sum of each token's rows into
-    out [T, H] (the combine launch). gate (weight,
-    scales, scale strides), up (weight, scales), down (weight, scales, scale strides) as
-    _kernel_weight gives them; biases as _gate_up_biases. -> out."""
+    out [T, H] (the combine launch). gate (weight, scales, scale strides), up (weight, scales),
+    down (weight, scales, scale strides) as _kernel_weight gives them; biases as _gate_up_biases.
+    -> out."""
     t, h = x.shape
     k = topk_ids.shape[1]
     i = experts.intermediate_size

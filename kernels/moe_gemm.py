@@ -188,24 +188,16 @@ def moe_down_kernel(
 
 
 @triton.jit
-def sum_token_rows(y_ptr, stride_y, ids_ptr, tok, h, mask, TOP_K: tl.constexpr):
-    """sum_j y[tok * TOP_K + j, h] (float32) in pair order over the token's pairs whose expert id
-    (ids [T*k]) is not -1: those rows were never written."""
-    acc = tl.zeros(h.shape, dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        row = tok * TOP_K + j
-        # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
-        here = (h * 0 + tl.load(ids_ptr + row)) >= 0
-        acc += tl.load(y_ptr + row.to(tl.int64) * stride_y + h, mask=mask & here, other=0.0)
-    return acc
-
-
-@triton.jit
 def moe_combine_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t, :] = sum_j y[t * TOP_K + j, :] (y float32 [T*k, H]) cast to out's dtype, over the
-    pairs whose expert id (ids [T*k]) is not -1. Fixed summation order."""
+    pairs whose expert id (ids [T*k]) is not -1: those rows were never written. Fixed summation
+    order."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H
-    acc = sum_token_rows(y_ptr, H, ids_ptr, t, h, mask, TOP_K)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
+        here = (h * 0 + tl.load(ids_ptr + t * TOP_K + j)) >= 0
+        acc += tl.load(y_ptr + (t * TOP_K + j) * H + h, mask=mask & here, other=0.0)
     tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=mask)

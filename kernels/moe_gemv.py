@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .moe_gemm import _row_scale
-from .row_gemv import block_scaled_dot, block_scaled_slab
+from .row_gemv import slab_dot, weight_slab
 
 
 @triton.jit
@@ -65,11 +65,10 @@ def _gemv_chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, pair_ptr, pid_m, 
             part = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], axis=2)
             part = tl.sum(part * mult, axis=1)
             acc = tl.where(cols[None, :] == m, acc + part[:, None], acc)
-    elif FORMAT == 2 and BLOCK_K > SBK:
-        # several scale blocks per K step (SBK a power of two dividing BLOCK_K): partial sums
-        # per block, each scaled once
-        kk, k_mask, w, s = block_scaled_slab(w_base, s_ptr + e.to(tl.int64) * stride_se, n, n_mask, k0, K,
-                                             stride_sn, stride_sk, SBN, SBK, BLOCK_K)
+    else:
+        # dense or FP8: one slab, its block scales applied per scale block (row_gemv.weight_slab)
+        kk, k_mask, w, s = weight_slab(w_base, s_ptr + e.to(tl.int64) * stride_se, n, n_mask, k0, K, stride_sn,
+                                       stride_sk, FORMAT, SBN, SBK, BLOCK_K)
         for m in tl.static_range(BLOCK_M):
             if SORTED:
                 pair = tl.load(pair_ptr + pid_m * BLOCK_M + m)
@@ -82,31 +81,7 @@ def _gemv_chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, pair_ptr, pid_m, 
                 row = pair.to(tl.int64)
             xv = tl.load(x_ptr + tl.where(ok, row, 0) * stride_xt + kk, mask=k_mask & ((kk * 0 + pair) < num_pairs),
                          other=0.0)
-            acc = tl.where(cols[None, :] == m, acc + block_scaled_dot(w, s, xv)[:, None], acc)
-    else:
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = kk < K
-        w = tl.load(w_base[:, None] + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        w = w.to(tl.float32)
-        if FORMAT == 2:
-            # BLOCK_K divides SBK, so one K step lies inside one scale block
-            s = tl.load(s_ptr + e.to(tl.int64) * stride_se + (n // SBN) * stride_sn + (k0 // SBK) * stride_sk,
-                        mask=n_mask, other=0.0)
-        for m in tl.static_range(BLOCK_M):
-            if SORTED:
-                pair = tl.load(pair_ptr + pid_m * BLOCK_M + m)
-            else:
-                pair = pid_m
-            ok = pair < num_pairs
-            if X_BY_TOKEN:
-                row = (pair // top_k).to(tl.int64)
-            else:
-                row = pair.to(tl.int64)
-            xv = tl.load(x_ptr + tl.where(ok, row, 0) * stride_xt + kk, mask=k_mask & ((kk * 0 + pair) < num_pairs), other=0.0)
-            part = tl.sum(w * xv.to(tl.float32)[None, :], axis=1)
-            if FORMAT == 2:
-                part = part * s
-            acc = tl.where(cols[None, :] == m, acc + part[:, None], acc)
+            acc = tl.where(cols[None, :] == m, acc + slab_dot(w, s, xv, FORMAT, SBK, BLOCK_K)[:, None], acc)
     return acc
 
 

@@ -23,10 +23,12 @@ MULT_WORD_BIAS = tl.constexpr(26)
 
 
 @triton.jit
-def _mx_words(w_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K: tl.constexpr):
+def _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+                  BLOCK_K: tl.constexpr):
     """One K chunk of BLOCK_N MXFP4 rows read through an int32 view of the codes, weight strides
     in 16-byte groups (one group = 4 words = 32 codes; word j holds codes 8j..8j+7, code i in
-    bits 4i..4i+3) -> int32 [BLOCK_N, G, 4]; a chunk past K loads nothing (all masked)."""
+    bits 4i..4i+3). -> (words int32 [BLOCK_N, G, 4], E8M0 scales uint8 [BLOCK_N, G]); a chunk
+    past K loads nothing (all masked)."""
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     g = k0 // 32 + tl.arange(0, BLOCK_G)
     g_mask = g < K // 32
@@ -34,17 +36,7 @@ def _mx_words(w_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K: tl.cons
     # issues one 128-bit load per row and group
     row_groups = e.to(tl.int64) * stride_we + n.to(tl.int64) * stride_wn
     offs = (row_groups[:, None, None] + g[None, :, None]) * 4 + tl.arange(0, 4)[None, None, :]
-    return tl.load(w_ptr + offs, mask=n_mask[:, None, None] & g_mask[None, :, None], other=0)
-
-
-@triton.jit
-def _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                  BLOCK_K: tl.constexpr):
-    """-> (_mx_words of the chunk, its E8M0 scales uint8 [BLOCK_N, G])."""
-    BLOCK_G: tl.constexpr = BLOCK_K // 32
-    g = k0 // 32 + tl.arange(0, BLOCK_G)
-    g_mask = g < K // 32
-    w = _mx_words(w_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K)
+    w = tl.load(w_ptr + offs, mask=n_mask[:, None, None] & g_mask[None, :, None], other=0)
     s_base = s_ptr + e.to(tl.int64) * stride_se + n * stride_sn
     scale = tl.load(s_base[:, None] + g[None, :] * stride_sk, mask=n_mask[:, None] & g_mask[None, :], other=0)
     return w, scale

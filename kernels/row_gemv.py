@@ -30,28 +30,46 @@ DENSE_GEMV_STAGES = 4
 
 
 @triton.jit
-def block_scaled_slab(w_rows, s_base, n, n_mask, k0, K, stride_sn, stride_sk, SBN: tl.constexpr, SBK: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-    """One K step of BLOCK_K = NSB * SBK block-scaled FP8 columns (SBK a power of two dividing
-    BLOCK_K) of the rows n starting at w_rows [BLOCK_N] -> (column indices kk [NSB, SBK], their
-    mask, weights float32 [BLOCK_N, NSB, SBK], scales [BLOCK_N, NSB] from the scale matrix at
-    s_base). block_scaled_dot reduces it against one activation row."""
-    NSB: tl.constexpr = BLOCK_K // SBK
-    sb = k0 // SBK + tl.arange(0, NSB)
-    kk = sb[:, None] * SBK + tl.arange(0, SBK)[None, :]
-    k_mask = kk < K
-    w = tl.load(w_rows[:, None, None] + kk[None, :, :], mask=n_mask[:, None, None] & k_mask[None, :, :],
-                other=0.0).to(tl.float32)
-    s = tl.load(s_base + (n // SBN)[:, None] * stride_sn + sb[None, :] * stride_sk,
-                mask=n_mask[:, None] & (sb * SBK < K)[None, :], other=0.0)
+def weight_slab(w_rows, s_base, n, n_mask, k0, K, stride_sn, stride_sk, FORMAT: tl.constexpr, SBN: tl.constexpr,
+                SBK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step of the dense or FP8 rows n starting at w_rows [BLOCK_N] -> (column indices kk,
+    their mask, weights float32, the step's scales s from the scale matrix at s_base); slab_dot
+    reduces it against one activation row loaded at kk. FP8 block scales with BLOCK_K > SBK (SBK
+    a power of two dividing BLOCK_K): kk [NSB, SBK], w [BLOCK_N, NSB, SBK], s [BLOCK_N, NSB],
+    NSB = BLOCK_K / SBK. Otherwise kk [BLOCK_K], w [BLOCK_N, BLOCK_K], and s [BLOCK_N] the one
+    scale block the step lies in (BLOCK_K divides SBK; ones unless FORMAT is 2)."""
+    if FORMAT == 2 and BLOCK_K > SBK:
+        NSB: tl.constexpr = BLOCK_K // SBK
+        sb = k0 // SBK + tl.arange(0, NSB)
+        kk = sb[:, None] * SBK + tl.arange(0, SBK)[None, :]
+        k_mask = kk < K
+        w = tl.load(w_rows[:, None, None] + kk[None, :, :], mask=n_mask[:, None, None] & k_mask[None, :, :],
+                    other=0.0).to(tl.float32)
+        s = tl.load(s_base + (n // SBN)[:, None] * stride_sn + sb[None, :] * stride_sk,
+                    mask=n_mask[:, None] & (sb * SBK < K)[None, :], other=0.0)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = kk < K
+        w = tl.load(w_rows[:, None] + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = w.to(tl.float32)
+        if FORMAT == 2:
+            s = tl.load(s_base + (n // SBN) * stride_sn + (k0 // SBK) * stride_sk, mask=n_mask, other=0.0)
+        else:
+            s = tl.full(n.shape, 1.0, tl.float32)
     return kk, k_mask, w, s
 
 
 @triton.jit
-def block_scaled_dot(w, s, x):
-    """[BLOCK_N]: each scale block's partial sums of w [BLOCK_N, NSB, SBK] . x [NSB, SBK] times its
-    scale s [BLOCK_N, NSB], then added."""
-    return tl.sum(tl.sum(w * x.to(tl.float32)[None, :, :], axis=2) * s, axis=1)
+def slab_dot(w, s, x, FORMAT: tl.constexpr, SBK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N]: a weight_slab (w, s) against the activations x loaded at its kk; block-scaled
+    steps sum each scale block, scale it once, then add the blocks."""
+    if FORMAT == 2 and BLOCK_K > SBK:
+        return tl.sum(tl.sum(w * x.to(tl.float32)[None, :, :], axis=2) * s, axis=1)
+    else:
+        part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+        if FORMAT == 2:
+            part = part * s
+        return part
 
 
 @triton.jit
@@ -69,26 +87,12 @@ def row_gemv_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, stride
     acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
     w_rows = w_ptr + n.to(tl.int64) * stride_wn
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        if FORMAT == 2 and BLOCK_K > SBK:
-            kk, k_mask, w, s = block_scaled_slab(w_rows, s_ptr, n, n_mask, k0, K, stride_sn, stride_sk, SBN, SBK,
-                                                 BLOCK_K)
-        else:
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_mask = kk < K
-            w = tl.load(w_rows[:, None] + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            w = w.to(tl.float32)
-            if FORMAT == 2:
-                s = tl.load(s_ptr + (n // SBN) * stride_sn + (k0 // SBK) * stride_sk, mask=n_mask, other=0.0)
+        kk, k_mask, w, s = weight_slab(w_rows, s_ptr, n, n_mask, k0, K, stride_sn, stride_sk, FORMAT, SBN, SBK,
+                                       BLOCK_K)
         for m in tl.static_range(M_PAD):
             # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
             x = tl.load(x_ptr + m * stride_xm + kk, mask=k_mask & ((kk * 0 + m) < M), other=0.0)
-            if FORMAT == 2 and BLOCK_K > SBK:
-                part = block_scaled_dot(w, s, x)
-            else:
-                part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
-                if FORMAT == 2:
-                    part = part * s
-            acc = tl.where(cols[None, :] == m, acc + part[:, None], acc)
+            acc = tl.where(cols[None, :] == m, acc + slab_dot(w, s, x, FORMAT, SBK, BLOCK_K)[:, None], acc)
     if FORMAT == 1:
         acc = acc * tl.load(s_ptr + n * stride_sn, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
