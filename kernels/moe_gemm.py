@@ -44,6 +44,18 @@ def _mxfp4_dequant(codes, scale, dtype: tl.constexpr):
 
 
 @triton.jit
+def _to_dot_dtype(w, dtype: tl.constexpr):
+    """Weights -> the tensor-core operand dtype. FP8 -> bf16 goes through float32: Triton's direct
+    f16 -> bf16 step (after the paired e4m3 -> f16 conversion) compiles to one slow conversion
+    instruction per value (F2F), the float32 route to a paired half-add and one paired pack, all
+    exact for e4m3 values."""
+    if w.dtype == tl.float8e4nv and dtype == tl.bfloat16:
+        return w.to(tl.float16).to(tl.float32).to(tl.bfloat16)
+    else:
+        return w.to(dtype)
+
+
+@triton.jit
 def _weight_dot(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, x_rows, x_valid, stride_xt,
                 stride_we, stride_wn, stride_se, stride_sn, stride_sk,
                 FORMAT: tl.constexpr, MX_DOT_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
@@ -82,7 +94,7 @@ def _weight_dot(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, x_rows, x_valid, 
         w = tl.load(w_base + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         xt = tl.load(x_ptr + x_rows[None, :] * stride_xt + kk[:, None],
                      mask=x_valid[None, :] & k_mask[:, None], other=0.0)
-        part = tl.dot(w.to(x_dtype), xt)
+        part = tl.dot(_to_dot_dtype(w, x_dtype), xt)
         if FORMAT == 2:
             # BLOCK_K divides SBK, so one K step lies inside one scale block
             s = tl.load(s_ptr + e.to(tl.int64) * stride_se + (n // SBN) * stride_sn + (k0 // SBK) * stride_sk,

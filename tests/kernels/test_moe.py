@@ -106,7 +106,7 @@ def _tensors(w):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8_channel", "fp8_block"])
-@pytest.mark.parametrize("t", [1, 32])
+@pytest.mark.parametrize("t", [1, 32, 256, 1024])  # row kernels, then the tiles of 2, 16 and 64 pairs per expert
 def test_glm45v_moe_gpu(fmt, t):
     e, k, h, i = 128, 8, 4096, 1408
     experts = MoeExperts(*random_glm_weights(fmt, e, i, h, device="cuda"))
