@@ -2,7 +2,7 @@
 mean over 20 calls with different routings) beside the CUDA-graph time per call, whose
 difference is the time between kernels (launch gaps, ramp-up and tails).
 
-    python bench/moe_breakdown.py [--ts 1,8] [--only mxfp4,fp8_channel,fp8_block,dense] [--words] [--rows ...]
+    python bench/moe_breakdown.py [--ts 1,8] [--only mxfp4,mxfp4_20b,fp8_channel,fp8_block,dense] [--words] [--rows ...]
 
 Cases as in bench/bench_moe_sweep.py; --words also times MXFP4's word-decode kernels (n8 k256 w1).
 """
@@ -23,6 +23,7 @@ from bench_moe_sweep import (CALLS, COPY_CEILING_GBS, expert_bytes, graph_time_u
 from localchat.kernels.moe import MoeConfig, default_config, fused_moe  # noqa: E402
 
 CASES = {"mxfp4": ("gpt-oss-120b MXFP4", 128, 4, 2880, 2880, 3),
+         "mxfp4_20b": ("gpt-oss-20b MXFP4", 32, 4, 2880, 2880, 3),
          "fp8_channel": ("GLM-4.5V FP8 channel", 128, 8, 4096, 1408, 1),
          "fp8_block": ("GLM-4.5V FP8 block", 128, 8, 4096, 1408, 2),
          "dense": ("GLM-4.5V bf16", 128, 8, 4096, 1408, 0)}
@@ -58,19 +59,20 @@ def main() -> None:
     torch.manual_seed(0)
     for key in args.only.split(","):
         name, e, k, h, i, fmt_code = CASES[key]
-        experts = make_case(key, e, h, i)
+        mx = key.startswith("mxfp4")
+        experts = make_case("mxfp4" if mx else key, e, h, i)
         per_expert = expert_bytes(experts)
         for t in (int(v) for v in args.ts.split(",")):
             x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-            routings = random_routings(key, t, e, k)
+            routings = random_routings("mxfp4" if mx else key, t, e, k)
             nbytes = per_expert * sum(ids.unique().numel() for _, ids in routings) / CALLS
             base = default_config(t * k, e, fmt_code, True, 2)
             variants = [("default", base)]
-            if key == "mxfp4" and args.words:
+            if mx and args.words:
                 variants.append(("words", MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True)))
             for spec in filter(None, args.rows.split(",")):
                 kind, bn, bk, nw, ns = spec.split(":")
-                if (kind == "half2") != (key == "mxfp4"):
+                if (kind == "half2") != mx:
                     continue  # half2 tiles are for MXFP4 only, the others for FP8 and bf16
                 # gemvM: M pairs of one expert per program (grouped by moe_align); tileM: tensor-core
                 # tiles of M rows
