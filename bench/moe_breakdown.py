@@ -60,11 +60,12 @@ def main() -> None:
     for key in args.only.split(","):
         name, e, k, h, i, fmt_code = CASES[key]
         mx = key.startswith("mxfp4")
-        experts = make_case("mxfp4" if mx else key, e, h, i)
+        family = "mxfp4" if mx else key  # make_case / random_routings know one MXFP4 case
+        experts = make_case(family, e, h, i)
         per_expert = expert_bytes(experts)
         for t in (int(v) for v in args.ts.split(",")):
             x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-            routings = random_routings("mxfp4" if mx else key, t, e, k)
+            routings = random_routings(family, t, e, k)
             nbytes = per_expert * sum(ids.unique().numel() for _, ids in routings) / CALLS
             base = default_config(t * k, e, fmt_code, True, 2)
             variants = [("default", base)]

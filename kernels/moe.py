@@ -136,19 +136,18 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
             return MoeConfig(1, 32 if per_expert <= 0.5 else 64, 256, 4, 3, gemv=True)
         return MoeConfig(1, 16, 256, 4, 1, gemv=True)
     block_k = 256 if fmt == FMT_MXFP4 else 128
-    fp8 = fmt in (FMT_FP8_ROW, FMT_FP8_BLK)
     if fmt == FMT_MXFP4 and per_expert <= 16:
         cfg = MoeConfig(16, 128, 128, 4, 3)
     elif fmt != FMT_MXFP4 and per_expert <= 4:
         cfg = MoeConfig(16, 64, 128, 4, 4)
-    elif per_expert <= 16:
-        # FP8 measured at 16 pairs per expert (GLM-4.5V, 256 tokens): 32x64 908 us, 16x32 1176 us
-        cfg = MoeConfig(32, 64, block_k, 4, 4) if fp8 else MoeConfig(16, 32, block_k, 4, 4)
+    elif fmt == FMT_DENSE and per_expert <= 16:
+        cfg = MoeConfig(16, 32, block_k, 4, 4)
     elif per_expert <= 48:
+        # FP8 at 16 pairs per expert (GLM-4.5V, 256 tokens): 32x64 908 us, 16x32 1176 us
         cfg = MoeConfig(32, 64, block_k, 4, 4)
     else:
-        # FP8 measured at 64 pairs per expert (GLM-4.5V, 1024 tokens): K step 128 2092 us, 64 2506 us
-        cfg = MoeConfig(64, 128, 128 if fmt == FMT_MXFP4 or fp8 else 64, 8, 3)
+        # FP8 at 64 pairs per expert (GLM-4.5V, 1024 tokens): K step 128 2092 us, 64 2506 us
+        cfg = MoeConfig(64, 128, 64 if fmt == FMT_DENSE else 128, 8, 3)
     # Pipelined tiles must fit in shared memory (227 KiB on Hopper): fewer stages for wide
     # (fp32) operands.
     w_bytes = {FMT_DENSE: elem_bytes, FMT_MXFP4: 0.5}.get(fmt, 1)
