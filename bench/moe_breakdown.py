@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -54,7 +55,9 @@ def main() -> None:
     parser.add_argument("--rows", "--fp8-rows", default="",
                         help="also time these tiles, kind:n:k:warps:stages with kind gemv or gemvM (M pairs of an "
                         "expert per program; FP8 and dense), tileM (tensor-core tiles of M rows; FP8 and dense) or "
-                        "half2 (MXFP4 packed f16), e.g. gemv:32:256:4:3,gemv4:32:256:4:3,tile16:64:128:4:4")
+                        "half2 (MXFP4 packed f16), e.g. gemv:32:256:4:3,gemv4:32:256:4:3,tile16:64:128:4:4; options of gemv "
+                        "after slashes: c sums each token's rows in the down kernel, dN:K:W:S is the down "
+                        "kernel's tile (gemv:16:256:2:3/d64:256:4:3/c)")
     args = parser.parse_args()
     torch.manual_seed(0)
     for key in args.only.split(","):
@@ -72,7 +75,8 @@ def main() -> None:
             if mx and args.words:
                 variants.append(("words", MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True)))
             for spec in filter(None, args.rows.split(",")):
-                kind, bn, bk, nw, ns = spec.split(":")
+                tile, *options = spec.split("/")
+                kind, bn, bk, nw, ns = tile.split(":")
                 if (kind == "half2") != mx:
                     continue  # half2 tiles are for MXFP4 only, the others for FP8 and bf16
                 # gemvM: M pairs of one expert per program (grouped by moe_align); tileM: tensor-core
@@ -80,6 +84,11 @@ def main() -> None:
                 bm = 1 if kind == "half2" else int(kind[4:] or 1)
                 cfg = MoeConfig(bm, int(bn), int(bk), int(nw), int(ns), gemv=not kind.startswith("tile"),
                                 mx_half2=kind == "half2")
+                for opt in options:  # gemv with one pair per program: c, dN:K:W:S
+                    if opt == "c":
+                        cfg = replace(cfg, fused_combine=True)
+                    elif opt.startswith("d"):
+                        cfg = replace(cfg, down_tile=tuple(int(v) for v in opt[1:].split(":")))
                 variants.append((spec, cfg))
             for label, cfg in variants:
                 calls = [lambda w=w, ids=ids, cfg=cfg, ex=experts: fused_moe(x, ex, w, ids, config=cfg)

@@ -75,6 +75,12 @@ class MoeConfig:
     prefetch: bool = False  # MXFP4 word decode: the next K chunk requested before the current one is used
     max_registers: int = 0  # registers per thread the compiler may use (0: its choice), for occupancy
     mx_half2: bool = False  # MXFP4 row kernels on packed f16 FMAs, one pair per program (kernels/moe_gemv_half2.py)
+    # dense/FP8 row kernels, one pair per program: the down kernel adds each token's rows itself
+    # (the last of its pair programs per row block; no combine launch)
+    fused_combine: bool = False
+    # dense/FP8 row kernels: (block_n, block_k, num_warps, num_stages) of the down GEMV, whose
+    # shape differs from gate/up's (GLM-4.5V: 4096 rows of 1408 against 2 x 1408 rows of 4096)
+    down_tile: tuple[int, int, int, int] | None = None
 
 
 def _rows(w: LinearWeight, rows: slice) -> LinearWeight:
@@ -122,8 +128,9 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
     up to four pairs per expert (gpt-oss-120b to 128 tokens, gpt-oss-20b to 32), then tensor-core
     tiles; fused_moe falls back to the word-decode kernels for experts other than gpt-oss's clamped
     SwiGLU. FP8: pipelined row kernels up to one pair per expert (GLM-4.5V to 16 tokens; 64 rows
-    a program beyond half a pair), then tiles (at 8 and 16 tokens the 16x64 tile measured 10-23%
-    slower than the row kernels)."""
+    a program beyond half a pair; up to half a pair the down kernel sums each token's rows and
+    has its own tile), then tiles (at 8 and 16 tokens the 16x64 tile measured 10-23% slower than
+    the row kernels)."""
     if not on_gpu:
         return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
     per_expert = num_pairs / max(num_experts, 1)
@@ -133,7 +140,13 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
         return MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True)
     if fmt != FMT_MXFP4 and per_expert <= 1:
         if fmt in (FMT_FP8_ROW, FMT_FP8_BLK):
-            return MoeConfig(1, 32 if per_expert <= 0.5 else 64, 256, 4, 3, gemv=True)
+            # up to half a pair per expert (GLM-4.5V to 8 tokens) each token's rows are summed by the
+            # down kernel (no combine launch) and down gets its own tile; at 16 tokens both lost
+            if per_expert <= 0.125:
+                return MoeConfig(1, 16, 256, 2, 3, gemv=True, fused_combine=True, down_tile=(32, 256, 4, 2))
+            if per_expert <= 0.5:
+                return MoeConfig(1, 32, 256, 4, 3, gemv=True, fused_combine=True, down_tile=(64, 256, 4, 3))
+            return MoeConfig(1, 64, 256, 4, 3, gemv=True)
         return MoeConfig(1, 16, 256, 4, 1, gemv=True)
     block_k = 256 if fmt == FMT_MXFP4 else 128
     if fmt == FMT_MXFP4 and per_expert <= 16:
@@ -222,6 +235,12 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     if config is None and not all(_fp8_block_k_fits(cfg, bk) for bk in blk_ks):
         # a default K step inside one scale block, whatever the checkpoint's block size
         cfg = replace(cfg, block_k=math.gcd(cfg.block_k, *blk_ks))
+    down_fits = not (cfg.down_tile and fmt_d == FMT_FP8_BLK) or _fp8_block_k_fits(
+        replace(cfg, block_k=cfg.down_tile[1]), sdblock[1])
+    if config is None and not down_fits:
+        down_n, down_k, down_warps, down_stages = cfg.down_tile
+        cfg = replace(cfg, down_tile=(down_n, math.gcd(down_k, sdblock[1]), down_warps, down_stages))
+        down_fits = True
     if not all(_fp8_block_k_fits(cfg, bk) for bk in blk_ks):
         raise ValueError(f"block_k {cfg.block_k} must divide the FP8 scale block {sblock} (row-streaming "
                          "kernels: or be a multiple of a power-of-two block)")
@@ -229,6 +248,12 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         raise ValueError(f"the MXFP4 row-streaming kernels need block_k a multiple of 32, got {cfg.block_k}")
     if cfg.gemv and cfg.mx_words and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_m > 4:
         raise ValueError(f"the MXFP4 word-decode kernels take at most 4 pairs per program, got block_m {cfg.block_m}")
+    if (cfg.fused_combine or cfg.down_tile) and not (cfg.gemv and cfg.block_m == 1 and fmt_d != FMT_MXFP4):
+        raise ValueError("fused_combine and down_tile need the dense or FP8 row kernels with one pair per program "
+                         "(gemv=True, block_m=1)")
+    if not down_fits:
+        raise ValueError(f"down_tile block_k {cfg.down_tile[1]} must divide the FP8 scale block {sdblock} or be a "
+                         "multiple of a power-of-two block")
     num_pairs = t * k
     has_bias, bg, bu, bias_strides = _gate_up_biases(experts, x)
     if cfg.mx_half2:
@@ -286,12 +311,37 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
             SORTED=sorted_pairs, HAS_BIAS=has_down_bias, X_BF16=x_bf16, PREFETCH=cfg.prefetch,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
     elif cfg.gemv:
-        moe_down_gemv_kernel[(b_max, triton.cdiv(h, cfg.block_n))](*down_args, SORTED=sorted_pairs,
-                                                                   STAGES=cfg.num_stages, **down_meta)
+        down_n, down_k, down_warps, down_stages = cfg.down_tile or (cfg.block_n, cfg.block_k, cfg.num_warps,
+                                                                    cfg.num_stages)
+        row_blocks = triton.cdiv(h, down_n)
+        arrivals = _arrival_counts(x.device, t * row_blocks) if cfg.fused_combine else y
+        down_meta.update(BLOCK_N=down_n, BLOCK_K=down_k, num_warps=down_warps, num_stages=down_stages)
+        moe_down_gemv_kernel[(b_max, row_blocks)](*down_args, arrivals, out, out.stride(0), SORTED=sorted_pairs,
+                                                  STAGES=down_stages, COMBINE=cfg.fused_combine, TOP_K=k,
+                                                  **down_meta)
+        if cfg.fused_combine:
+            return out
     else:
         moe_down_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
             *down_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **down_meta)
     return _combine(y, topk_ids, out)
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_ARRIVALS: list[torch.Tensor] = []
+
+
+def _arrival_counts(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 counts, zero, for the down row kernel's programs to count their arrival
+    (MoeConfig.fused_combine); one buffer per device, which every call leaves zero again. A
+    buffer outgrown is kept alive: CUDA graphs captured with it still point at its memory."""
+    counts = _ARRIVALS.get(device)
+    if counts is None or counts.numel() < n:
+        if counts is not None:
+            _RETIRED_ARRIVALS.append(counts)
+        counts = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _ARRIVALS[device] = counts
+    return counts
 
 
 def _gate_up_biases(experts: MoeExperts, x: torch.Tensor):

@@ -157,18 +157,42 @@ def moe_down_gemv_kernel(
         b_ptr, stride_be,
         pair_weights_ptr, out_ptr, stride_ot,
         pair_ptr, expert_ptr, num_pairs, N, K,
+        arrivals_ptr, sum_ptr, stride_sum,
         FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SORTED: tl.constexpr,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        STAGES: tl.constexpr):
-    """moe_down_kernel's result by row streaming (pairs as in moe_gate_up_gemv_kernel)."""
+        STAGES: tl.constexpr, COMBINE: tl.constexpr = False, TOP_K: tl.constexpr = 1):
+    """moe_down_kernel's result by row streaming (pairs as in moe_gate_up_gemv_kernel): out
+    [pairs, N] float32. COMBINE (one pair per program, unsorted): the last of each token's TOP_K
+    programs per row block also writes the token's sum of its rows to sum [T, N]
+    (_combine_if_last), which saves the combine launch."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, pairs, valid = _block_pairs(pair_ptr, expert_ptr, pid_m, num_pairs, SORTED, BLOCK_M)
-    if e < 0:
-        return
-    rows = tl.where(valid, pairs, 0).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
+    if COMBINE:
+        if e >= 0:
+            _down_rows(a_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, stride_sk, b_ptr,
+                       stride_be, pair_weights_ptr, out_ptr, stride_ot, pair_ptr, pid_m, e, pairs, valid, n, n_mask,
+                       num_pairs, K, FORMAT, SBN, SBK, SORTED, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        _combine_if_last(out_ptr, stride_ot, expert_ptr, arrivals_ptr, sum_ptr, stride_sum, pid_m, n, n_mask, TOP_K,
+                         BLOCK_N)
+    else:
+        if e < 0:
+            return
+        _down_rows(a_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, stride_sk, b_ptr,
+                   stride_be, pair_weights_ptr, out_ptr, stride_ot, pair_ptr, pid_m, e, pairs, valid, n, n_mask,
+                   num_pairs, K, FORMAT, SBN, SBK, SORTED, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+
+
+@triton.jit
+def _down_rows(a_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, stride_sk, b_ptr, stride_be,
+               pair_weights_ptr, out_ptr, stride_ot, pair_ptr, pid_m, e, pairs, valid, n, n_mask, num_pairs, K,
+               FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SORTED: tl.constexpr,
+               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               STAGES: tl.constexpr):
+    """out[pairs, n] = pair weight * (down rows n of expert e (>= 0) . act + bias), float32."""
+    rows = tl.where(valid, pairs, 0).to(tl.int64)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         acc = _gemv_chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, a_ptr, pair_ptr, pid_m, num_pairs, 1,
@@ -180,3 +204,26 @@ def moe_down_gemv_kernel(
     gate = tl.load(pair_weights_ptr + rows, mask=valid, other=0.0)
     acc = acc * gate[None, :]
     tl.store(out_ptr + rows[None, :] * stride_ot + n[:, None], acc, mask=valid[None, :] & n_mask[:, None])
+
+
+@triton.jit
+def _combine_if_last(y_ptr, stride_yt, expert_ptr, arrivals_ptr, out_ptr, stride_out, pair, n, n_mask,
+                     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The TOP_K pair programs of one token and row block count their arrival; the last one adds
+    the token's TOP_K rows of y (float32 [pairs, N]) in pair order, whoever arrives last, casts
+    the sum into out [T, N] and resets the count for the next call. Rows of expert -1 are
+    skipped (never written)."""
+    tok = pair // TOP_K
+    slot = arrivals_ptr + tok * tl.num_programs(1) + tl.program_id(1)
+    tl.debug_barrier()  # every thread's stores of this program's rows come before its arrival
+    arrived = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
+    if arrived == TOP_K - 1:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            row = tok * TOP_K + j
+            # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
+            here = (n * 0 + tl.load(expert_ptr + row)) >= 0
+            acc += tl.load(y_ptr + row.to(tl.int64) * stride_yt + n, mask=n_mask & here, other=0.0,
+                           cache_modifier=".cg")  # written by other programs: read from L2
+        tl.store(out_ptr + tok.to(tl.int64) * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+        tl.store(slot, 0)

@@ -9,7 +9,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from localchat.kernels.moe_gemm import moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel
-from localchat.kernels.moe_gemv import moe_gate_up_gemv_kernel
+from localchat.kernels.moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
 from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
 from localchat.kernels.row_gemv import row_gemv_kernel
@@ -101,12 +101,18 @@ CASES += [
 GEMV_FP8 = _types({"x_ptr": "*bf16", "wg_ptr": "*fp8e4nv", "wu_ptr": "*fp8e4nv", "sg_ptr": "*fp32", "su_ptr": "*fp32",
                    "bg_ptr": "*bf16", "bu_ptr": "*bf16", "out_ptr": "*bf16", "pair_ptr": "*i64", "expert_ptr": "*i64",
                    "alpha": "fp32", "limit": "fp32"})
+GEMV_FP8_DOWN = _types({"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16",
+                        "pair_weights_ptr": "*fp32", "out_ptr": "*fp32", "pair_ptr": "*i64", "expert_ptr": "*i64",
+                        "arrivals_ptr": "*i32", "sum_ptr": "*bf16"})
 PIPELINED = [
     ("MXFP4 gate/up half2 n8 k256 w1, 3 stages", moe_gate_up_half2_kernel, HALF2,
      dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3), 1, 3),
     ("FP8 gate/up row kernel n32 k256 w4, 3 stages", moe_gate_up_gemv_kernel, GEMV_FP8,
      dict(FORMAT=1, SBN=1, SBK=1, SORTED=False, ACT=0, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
           STAGES=3), 4, 3),
+    ("FP8 down row kernel n64 k256 w4, 3 stages, token sums", moe_down_gemv_kernel, GEMV_FP8_DOWN,
+     dict(FORMAT=2, SBN=128, SBK=128, SORTED=False, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=64, BLOCK_K=256, STAGES=3,
+          COMBINE=True, TOP_K=8), 4, 3),
 ]
 
 

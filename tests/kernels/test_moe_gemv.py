@@ -250,12 +250,62 @@ def test_half2_small_shapes_gpu():
     ("fp8_block", 16, MoeConfig(1, 64, 256, 4, 3, gemv=True)),
     ("fp8_block", 32, MoeConfig(2, 16, 256, 4, 3, gemv=True)),
     ("fp8_block", 1, MoeConfig(1, 16, 256, 4, 1, gemv=True)),
+    ("fp8_block", 1, MoeConfig(1, 16, 256, 2, 3, gemv=True, fused_combine=True, down_tile=(64, 256, 4, 3))),
+    ("fp8_channel", 8, MoeConfig(1, 16, 256, 2, 3, gemv=True, fused_combine=True, down_tile=(32, 256, 4, 2))),
 ])
 def test_glm_row_kernels_gpu(fmt, t, cfg):
     e, k, h, i = 128, 8, 4096, 1408
     experts = MoeExperts(*random_glm_weights(fmt, e, i, h, device="cuda"))
-    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-    w, ids = route_glm(torch.randn(t, e, device="cuda"), torch.randn(e, device="cuda") * 0.1, k)
-    err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
-    print(f"\nGLM-4.5V {fmt} T={t} {cfg}: rel err {err:.1e}")
-    assert err < TOL[torch.bfloat16]
+    for _ in range(3):  # token sums in the down kernel: each call must leave the arrival counts at zero
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+        w, ids = route_glm(torch.randn(t, e, device="cuda"), torch.randn(e, device="cuda") * 0.1, k)
+        err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
+        print(f"\nGLM-4.5V {fmt} T={t} {cfg}: rel err {err:.1e}")
+        assert err < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("fmt,dtype,cfg", [
+    ("fp8_block", torch.float32, MoeConfig(1, 16, 64, 1, 2, gemv=True, fused_combine=True)),
+    ("fp8_channel", torch.float16, MoeConfig(1, 16, 32, 1, 2, gemv=True, down_tile=(32, 16, 1, 1))),
+    ("dense", torch.float32, MoeConfig(1, 16, 32, 1, 2, gemv=True, fused_combine=True, down_tile=(8, 32, 1, 2))),
+])
+def test_glm_down_options(fmt, dtype, cfg):
+    # the token sums written by the last of each token's down programs (no combine launch), and a
+    # down tile of its own (H=80 in row blocks of 8 / 32, the last partial); a pair on expert -1
+    # must still count its arrival; two calls: the counts are left at zero
+    e, k, h, i, t = 4, 3, 80, 48, 3
+    experts = MoeExperts(*random_glm_weights(fmt, e, i, h, dtype=dtype, block=(16, 32)))
+    for _ in range(2):
+        x = torch.randn(t, h, device=DEV, dtype=dtype)
+        w, ids = random_routing(t, e, k)
+        ids[2, 1] = -1
+        out = fused_moe(x, experts, w, ids, config=cfg)
+        assert out.dtype == dtype
+        assert rel_err(out, fused_moe_ref(x, experts, w, ids)) < TOL[dtype]
+
+
+def test_down_options_need_one_pair_row_kernels():
+    e, k, h, i, t = 2, 1, 64, 32, 1
+    experts = MoeExperts(*random_glm_weights("fp8_channel", e, i, h, dtype=torch.float32))
+    x = torch.randn(t, h, device=DEV)
+    w, ids = random_routing(t, e, k)
+    for cfg in (MoeConfig(16, 16, 32, 1, 1, fused_combine=True), MoeConfig(2, 16, 32, 1, 1, gemv=True,
+                                                                           down_tile=(16, 32, 1, 1))):
+        with pytest.raises(ValueError, match="fused_combine and down_tile"):
+            fused_moe(x, experts, w, ids, config=cfg)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_channel", "fp8_block"])
+@pytest.mark.parametrize("e,t", [(16, 1), (4, 1)])  # 1/8 and 1/2 pair per expert at top-2
+def test_glm_gpu_defaults_on_small_shapes(fmt, e, t):
+    # the configurations the GPU picks at decode sizes (fused token sums, a down tile of its own),
+    # run by the interpreter on small experts: H=300 leaves a partial K step and row block
+    from localchat.kernels.moe import FMT_FP8_BLK, FMT_FP8_ROW, default_config
+    k, h, i = 2, 300, 64
+    cfg = default_config(t * k, e, FMT_FP8_BLK if fmt == "fp8_block" else FMT_FP8_ROW, on_gpu=True)
+    assert cfg.gemv and cfg.fused_combine and cfg.down_tile
+    experts = MoeExperts(*random_glm_weights(fmt, e, i, h, dtype=torch.float32, block=(16, 32)))
+    x = torch.randn(t, h, device=DEV)
+    w, ids = random_routing(t, e, k)
+    out = fused_moe(x, experts, w, ids, config=cfg)
+    assert rel_err(out, fused_moe_ref(x, experts, w, ids)) < TOL[torch.float32]
