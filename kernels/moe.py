@@ -189,13 +189,13 @@ def _kernel_weight(w: LinearWeight) -> tuple[int, torch.Tensor, torch.Tensor, tu
     return FMT_FP8_BLK, w.weight, s, (s.stride(0), s.stride(1), s.stride(2)), w.block
 
 
-def _fp8_block_k_fits(cfg: MoeConfig, scale_block_k: int) -> bool:
+def _fp8_block_k_fits(block_k: int, gemv: bool, scale_block_k: int) -> bool:
     """A K step inside one FP8 scale block, or (row-streaming kernels) a whole number of
     power-of-two blocks, each scaled after its partial sum."""
-    if scale_block_k % cfg.block_k == 0:
+    if scale_block_k % block_k == 0:
         return True
     pow2 = scale_block_k & (scale_block_k - 1) == 0
-    return cfg.gemv and pow2 and cfg.block_k % scale_block_k == 0
+    return gemv and pow2 and block_k % scale_block_k == 0
 
 
 def _check(t: torch.Tensor, what: str) -> None:
@@ -232,16 +232,16 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     if config is None and cfg.mx_half2 and (experts.activation != "swiglu_clamped" or fmt_d != FMT_MXFP4):
         # the packed-f16 kernels bound the GLU output by the clamp; other experts decode words
         cfg = replace(cfg, mx_half2=False, mx_words=True)
-    if config is None and not all(_fp8_block_k_fits(cfg, bk) for bk in blk_ks):
-        # a default K step inside one scale block, whatever the checkpoint's block size
-        cfg = replace(cfg, block_k=math.gcd(cfg.block_k, *blk_ks))
-    down_fits = not (cfg.down_tile and fmt_d == FMT_FP8_BLK) or _fp8_block_k_fits(
-        replace(cfg, block_k=cfg.down_tile[1]), sdblock[1])
-    if config is None and not down_fits:
-        down_n, down_k, down_warps, down_stages = cfg.down_tile
-        cfg = replace(cfg, down_tile=(down_n, math.gcd(down_k, sdblock[1]), down_warps, down_stages))
-        down_fits = True
-    if not all(_fp8_block_k_fits(cfg, bk) for bk in blk_ks):
+    # the down tile's own K step, when it has one, against the down weights' scale block
+    down_blk_k = sdblock[1] if cfg.down_tile and fmt_d == FMT_FP8_BLK else None
+    if config is None:
+        # default K steps inside one scale block, whatever the checkpoint's block size
+        if not all(_fp8_block_k_fits(cfg.block_k, cfg.gemv, bk) for bk in blk_ks):
+            cfg = replace(cfg, block_k=math.gcd(cfg.block_k, *blk_ks))
+        if down_blk_k and not _fp8_block_k_fits(cfg.down_tile[1], cfg.gemv, down_blk_k):
+            down_n, down_k, *down_launch = cfg.down_tile
+            cfg = replace(cfg, down_tile=(down_n, math.gcd(down_k, down_blk_k), *down_launch))
+    if not all(_fp8_block_k_fits(cfg.block_k, cfg.gemv, bk) for bk in blk_ks):
         raise ValueError(f"block_k {cfg.block_k} must divide the FP8 scale block {sblock} (row-streaming "
                          "kernels: or be a multiple of a power-of-two block)")
     if cfg.gemv and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_k % 32:
@@ -251,7 +251,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     if (cfg.fused_combine or cfg.down_tile) and not (cfg.gemv and cfg.block_m == 1 and fmt_d != FMT_MXFP4):
         raise ValueError("fused_combine and down_tile need the dense or FP8 row kernels with one pair per program "
                          "(gemv=True, block_m=1)")
-    if not down_fits:
+    if down_blk_k and not _fp8_block_k_fits(cfg.down_tile[1], cfg.gemv, down_blk_k):
         raise ValueError(f"down_tile block_k {cfg.down_tile[1]} must divide the FP8 scale block {sdblock} or be a "
                          "multiple of a power-of-two block")
     num_pairs = t * k

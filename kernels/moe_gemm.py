@@ -207,9 +207,20 @@ def moe_combine_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H:
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
-        here = (h * 0 + tl.load(ids_ptr + t * TOP_K + j)) >= 0
-        acc += tl.load(y_ptr + (t * TOP_K + j) * H + h, mask=mask & here, other=0.0)
+    acc = token_rows_sum(y_ptr, H, ids_ptr, t, h, mask, TOP_K, "")
     tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def token_rows_sum(y_ptr, stride_yt, ids_ptr, t, h, mask, TOP_K: tl.constexpr, CACHE: tl.constexpr):
+    """Columns h of token t's TOP_K rows of y (float32 [T*k, H], row stride stride_yt) added in
+    pair order, skipping pairs of expert -1 (ids [T*k]), whose rows were never written. CACHE:
+    the loads' cache modifier (".cg", past L1, for rows written by other programs of the same
+    launch)."""
+    acc = tl.zeros(h.shape, dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = t * TOP_K + j
+        # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
+        here = (h * 0 + tl.load(ids_ptr + row)) >= 0
+        acc += tl.load(y_ptr + row.to(tl.int64) * stride_yt + h, mask=mask & here, other=0.0, cache_modifier=CACHE)
+    return acc

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_gemm import _row_scale
+from .moe_gemm import _row_scale, token_rows_sum
 from .row_gemv import slab_dot, weight_slab
 
 
@@ -170,19 +170,12 @@ def moe_down_gemv_kernel(
     e, pairs, valid = _block_pairs(pair_ptr, expert_ptr, pid_m, num_pairs, SORTED, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    if COMBINE:
-        if e >= 0:
-            _down_rows(a_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, stride_sk, b_ptr,
-                       stride_be, pair_weights_ptr, out_ptr, stride_ot, pair_ptr, pid_m, e, pairs, valid, n, n_mask,
-                       num_pairs, K, FORMAT, SBN, SBK, SORTED, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
-        _combine_if_last(out_ptr, stride_ot, expert_ptr, arrivals_ptr, sum_ptr, stride_sum, pid_m, n, n_mask, TOP_K,
-                         BLOCK_N)
-    else:
-        if e < 0:
-            return
+    if e >= 0:
         _down_rows(a_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, stride_sk, b_ptr,
                    stride_be, pair_weights_ptr, out_ptr, stride_ot, pair_ptr, pid_m, e, pairs, valid, n, n_mask,
                    num_pairs, K, FORMAT, SBN, SBK, SORTED, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    if COMBINE:  # a pair of expert -1 still counts its arrival
+        _combine_if_last(out_ptr, stride_ot, expert_ptr, arrivals_ptr, sum_ptr, stride_sum, pid_m, n, n_mask, TOP_K)
 
 
 @triton.jit
@@ -208,22 +201,16 @@ def _down_rows(a_ptr, stride_at, w_ptr, stride_we, stride_wn, s_ptr, stride_se, 
 
 @triton.jit
 def _combine_if_last(y_ptr, stride_yt, expert_ptr, arrivals_ptr, out_ptr, stride_out, pair, n, n_mask,
-                     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                     TOP_K: tl.constexpr):
     """The TOP_K pair programs of one token and row block count their arrival; the last one adds
-    the token's TOP_K rows of y (float32 [pairs, N]) in pair order, whoever arrives last, casts
-    the sum into out [T, N] and resets the count for the next call. Rows of expert -1 are
-    skipped (never written)."""
+    the token's TOP_K rows of y (float32 [pairs, N]) in pair order (token_rows_sum), whoever
+    arrives last, casts the sum into out [T, N] and resets the count for the next call."""
     tok = pair // TOP_K
     slot = arrivals_ptr + tok * tl.num_programs(1) + tl.program_id(1)
     tl.debug_barrier()  # every thread's stores of this program's rows come before its arrival
     arrived = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
     if arrived == TOP_K - 1:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            row = tok * TOP_K + j
-            # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
-            here = (n * 0 + tl.load(expert_ptr + row)) >= 0
-            acc += tl.load(y_ptr + row.to(tl.int64) * stride_yt + n, mask=n_mask & here, other=0.0,
-                           cache_modifier=".cg")  # written by other programs: read from L2
+        # written by other programs of this launch: read from L2
+        acc = token_rows_sum(y_ptr, stride_yt, expert_ptr, tok, n, n_mask, TOP_K, ".cg")
         tl.store(out_ptr + tok.to(tl.int64) * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
         tl.store(slot, 0)
