@@ -5,6 +5,7 @@ The Triton interpreter must be chosen before any kernel module is imported (it i
 """
 import os
 import sys
+import zlib
 from pathlib import Path
 
 # `python -m pytest` puts the working directory, the repo root, first on sys.path, where the
@@ -19,6 +20,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed_from_test_name(request):
+    """Each test draws its random inputs from a seed fixed by its own name, so a result does not
+    depend on which tests ran before it in the process and a failure reproduces alone. Setting
+    LOCALCHAT_TEST_SEED to any other value draws a different set of inputs for every test."""
+    salt = os.environ.get("LOCALCHAT_TEST_SEED", "")
+    torch.manual_seed(zlib.crc32(f"{request.node.nodeid}{salt}".encode()))
 
 
 def pytest_collection_modifyitems(config, items):
