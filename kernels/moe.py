@@ -24,6 +24,7 @@ import torch
 import triton
 
 from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight
+from .l2_prefetch import LINE_BYTES
 from .moe_align import moe_align
 from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4,
                        moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
@@ -81,6 +82,11 @@ class MoeConfig:
     # dense/FP8 row kernels: (block_n, block_k, num_warps, num_stages) of the down GEMV, whose
     # shape differs from gate/up's (GLM-4.5V: 4096 rows of 1408 against 2 x 1408 rows of 4096)
     down_tile: tuple[int, int, int, int] | None = None
+    # MXFP4 packed-f16 row kernels (mx_half2): each program first requests its weight rows into L2
+    # (kernels/l2_prefetch.py); prefetch_down: the gate/up programs also request the down rows of
+    # their expert, so that those arrive while gate/up runs
+    l2_prefetch: bool = False
+    prefetch_down: bool = False
 
 
 def _rows(w: LinearWeight, rows: slice) -> LinearWeight:
@@ -248,6 +254,8 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         raise ValueError(f"the MXFP4 row-streaming kernels need block_k a multiple of 32, got {cfg.block_k}")
     if cfg.gemv and cfg.mx_words and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_m > 4:
         raise ValueError(f"the MXFP4 word-decode kernels take at most 4 pairs per program, got block_m {cfg.block_m}")
+    if (cfg.l2_prefetch or cfg.prefetch_down) and not cfg.mx_half2:
+        raise ValueError("l2_prefetch and prefetch_down are options of the MXFP4 packed-f16 row kernels (mx_half2)")
     if (cfg.fused_combine or cfg.down_tile) and not (cfg.gemv and cfg.block_m == 1 and fmt_d != FMT_MXFP4):
         raise ValueError("fused_combine and down_tile need the dense or FP8 row kernels with one pair per program "
                          "(gemv=True, block_m=1)")
@@ -393,11 +401,18 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     mx_half2_x_kernel[(t,)](x, x.stride(0), xq, x_inv_scale, h, BLOCK_H=triton.next_power_of_2(h))
     act_exp = act_scale_exp(experts.limit)
     act = torch.empty((num_pairs, i), dtype=torch.float16, device=x.device)
-    moe_gate_up_half2_kernel[(num_pairs, triton.cdiv(i, cfg.block_n))](
+    up_blocks = triton.cdiv(i, cfg.block_n)
+    # 128-byte lines a row of gate/up (K = h) and of down (K = i), as powers of two
+    up_lines, down_lines = (triton.next_power_of_2(triton.cdiv(kk // 2, LINE_BYTES)) for kk in (h, i))
+    moe_gate_up_half2_kernel[(num_pairs, up_blocks)](
         xq.view(torch.int32), x_inv_scale, wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4,
         sg, su, *s_strides, bg, bu, *bias_strides, act, float(2.0 ** act_exp), expert_ids, i, h, k,
-        float(experts.alpha), float(experts.limit), HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
+        float(experts.alpha), float(experts.limit), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, sd,
+        *sd_strides, h, HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
+        PREFETCH_LINES=up_lines if cfg.l2_prefetch else 0,
+        DOWN_ROWS=triton.next_power_of_2(triton.cdiv(h, up_blocks)) if cfg.prefetch_down else 0,
+        DOWN_LINES=down_lines, **launch)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias = experts.down_bias is not None
     bd = experts.down_bias if has_down_bias else x
@@ -405,7 +420,7 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
         act.view(torch.int32), float(2.0 ** -act_exp), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, sd,
         *sd_strides, bd, bd.stride(0) if has_down_bias else 0, topk_weights.reshape(-1).to(torch.float32), y,
         y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
+        BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, PREFETCH_LINES=down_lines if cfg.l2_prefetch else 0, **launch)
     return _combine(y, topk_ids, out)
 
 

@@ -24,6 +24,22 @@ def test_decode_matches_reference(dtype, sinks, window, num_splits):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("prefetch_keys,num_splits,window", [(16, 3, None), (64, 1, None), (128, 2, 20)])
+def test_l2_prefetch_leaves_the_result_unchanged(prefetch_keys, num_splits, window):
+    # 16 keys: less than a split's range; 64 and 128: past the end of the split and the context
+    lens = [1, 37, 70, 16]
+    hkv, group, d, block_size = 2, 3, 32, 16
+    k, v, tables, ctx = paged_cache(lens, hkv, d, block_size, torch.float16)
+    q = torch.randn(len(lens), hkv * group, d, device=DEV).to(torch.float16)
+    s = torch.randn(hkv * group, device=DEV)
+    opts = dict(num_splits=num_splits, block_n=16)
+    plain = paged_decode_attention(q, k, v, tables, ctx, d ** -0.5, s, window, **opts)
+    out = paged_decode_attention(q, k, v, tables, ctx, d ** -0.5, s, window, l2_prefetch_keys=prefetch_keys, **opts)
+    assert torch.equal(out, plain)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_decode_attention(q, k, v, tables, ctx, d ** -0.5, s, window, l2_prefetch_keys=48, **opts)
+
+
 def test_default_splits_fill_the_sms_without_an_extra_wave():
     # 8 KV heads on 132 SMs: at most 8 programs per SM, rounded down; at most 64 splits and one
     # per 64-key tile
@@ -60,3 +76,15 @@ def test_decode_8k_gpu(name, hq, hkv, d, sinks, window, batch):
     keys = min(ctx_len, window or ctx_len)
     nbytes = 2 * batch * keys * hkv * d * 2
     print(f"\ndecode attention {name} B={batch} ctx={ctx_len}: {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,window", [(64, None), (64, 128), (128, None)])
+def test_l2_prefetch_8k_gpu(d, window):
+    # the prefetching split kernel computes exactly what the plain one does at the real shapes
+    k, v, tables, ctx = paged_cache([8192], 8, d, 16, torch.bfloat16)
+    q = torch.randn(1, 8 * (8 if d == 64 else 12), d, device="cuda", dtype=torch.bfloat16)
+    plain = paged_decode_attention(q, k, v, tables, ctx, d ** -0.5, None, window)
+    for keys in (64, 128, 256):
+        out = paged_decode_attention(q, k, v, tables, ctx, d ** -0.5, None, window, l2_prefetch_keys=keys)
+        assert torch.equal(out, plain)

@@ -1,4 +1,6 @@
 """The decode-size (row-streaming) MoE kernels against the per-expert float32 reference."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -117,6 +119,24 @@ def test_gpt_oss_mxfp4_half2(dtype, block_n, block_k):
         assert rel_err(out[row], ref[row]) < TOL[dtype]
 
 
+@pytest.mark.parametrize("block_n,l2_prefetch,prefetch_down", [(32, True, True), (16, False, True)])
+def test_half2_l2_prefetch_leaves_the_result_unchanged(block_n, l2_prefetch, prefetch_down):
+    # I=160 in 5 or 10 row blocks: each gate/up block requests 32 or 16 down rows (H=96), the
+    # last blocks past H; rows of 48 and 80 bytes, one line (a real checkpoint's are 1440 bytes,
+    # twelve); one pair's expert -1
+    e, k, h, i, t = 6, 2, 96, 160, 2
+    experts = _gpt_oss_case(e, h, i)
+    x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
+    ids[1, 0] = -1
+    cfg = MoeConfig(1, block_n, 64, 1, 1, gemv=True, mx_half2=True)
+    plain = fused_moe(x, experts, w, ids, config=cfg)
+    out = fused_moe(x, experts, w, ids, config=replace(cfg, l2_prefetch=l2_prefetch, prefetch_down=prefetch_down))
+    assert torch.equal(out, plain)
+    with pytest.raises(ValueError, match="mx_half2"):
+        fused_moe(x, experts, w, ids, config=MoeConfig(1, 16, 64, 1, 1, gemv=True, mx_words=True, l2_prefetch=True))
+
+
 def test_half2_order_matches_kernel_positions():
     from localchat.kernels.moe_gemv_half2 import act_scale_exp, half2_order
     assert half2_order() == [0, 4, 1, 5, 2, 6, 3, 7]
@@ -214,6 +234,8 @@ def test_new_row_kernels_reject_bad_tiles():
     (1, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_half2=True)),
     (8, MoeConfig(1, 8, 256, 1, 2, gemv=True, mx_half2=True)),
     (32, MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True)),
+    (1, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_half2=True, l2_prefetch=True, prefetch_down=True)),
+    (8, MoeConfig(1, 8, 256, 1, 2, gemv=True, mx_half2=True, prefetch_down=True)),
 ])
 def test_gpt_oss_row_kernels_gpu(t, cfg):
     e, k, h, i = 128, 4, 2880, 2880
