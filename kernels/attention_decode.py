@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .gpu_facts import MEASURED_SMS, sm_count
 from .l2_prefetch import LINE_BYTES, prefetch_l2
+from .pdl import pdl_launch_options, pdl_release, pdl_supported, pdl_wait
 
 LOG2E = 1.4426950408889634
 
@@ -32,7 +33,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
                          stride_tb, qk_scale, window, block_size, HQ,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, PREFETCH_KEYS: tl.constexpr,
-                         LINE_ELEMS: tl.constexpr, INTERPRET: tl.constexpr):
+                         LINE_ELEMS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -44,15 +45,18 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
     start = lo + split * per_split
     end = tl.minimum(start + per_split, ctx)
 
+    if PREFETCH_KEYS > 0:  # page tables and the cache's older keys: not the kernel before's output
+        _prefetch_keys(k_ptr, v_ptr, tables_ptr, b, kvh, start, end, stride_kb, stride_ks, stride_kh, stride_vb,
+                       stride_vs, stride_vh, stride_tb, block_size, D, PREFETCH_KEYS, LINE_ELEMS, INTERPRET)
+    pdl_wait(PDL)  # q and the newest key come from the kernel before
+    pdl_release(PDL)
+
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     heads = kvh * G + g
     g_mask = g < G
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
     q = (q.to(tl.float32) * qk_scale).to(k_ptr.dtype.element_ty)  # scale folded in, log2 domain
-    if PREFETCH_KEYS > 0:
-        _prefetch_keys(k_ptr, v_ptr, tables_ptr, b, kvh, start, end, stride_kb, stride_ks, stride_kh, stride_vb,
-                       stride_vs, stride_vh, stride_tb, block_size, D, PREFETCH_KEYS, LINE_ELEMS, INTERPRET)
 
     m = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((G_PAD,), dtype=tl.float32)
@@ -102,7 +106,9 @@ def _prefetch_keys(k_ptr, v_ptr, tables_ptr, b, kvh, start, end, stride_kb, stri
 @triton.jit
 def _decode_combine_kernel(mid_o_ptr, mid_ml_ptr, sinks_ptr, out_ptr, stride_ob, stride_oh, HQ,
                            D: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
-                           HAS_SINKS: tl.constexpr):
+                           HAS_SINKS: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    pdl_release(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
@@ -141,7 +147,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sinks: torch.Tensor | None = None, window: int | None = None,
                            num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 2, l2_prefetch_keys: int = 0) -> torch.Tensor:
+                           num_stages: int = 2, l2_prefetch_keys: int = 0, pdl: bool = False) -> torch.Tensor:
     """q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
     int32; context_lens [B] int32 (>= 1, the query's own key included); sinks [Hq] or None;
     window: keys i - window < j <= i. Returns [B, Hq, D] in q.dtype. num_splits, block_n (keys
@@ -149,7 +155,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     flight leave room in shared memory for more programs per SM, which measured faster than
     three or four at batch 1-8 (bench/bench_attention_splits.py). l2_prefetch_keys: each split
     first requests into L2 every line of its first that many keys (a power of two; 0: none), so
-    that its key tiles are fetched together rather than one after another (kernels/l2_prefetch.py)."""
+    that its key tiles are fetched together rather than one after another (kernels/l2_prefetch.py).
+    pdl: launch both kernels with programmatic dependent launch where the GPU has it
+    (kernels/pdl.py): the splits' page-table reads and prefetches overlap the kernel before."""
     bsz, hq, d = q.shape
     _, block_size, hkv, dk = k_cache.shape
     if dk != d or hq % hkv or d & (d - 1):
@@ -167,6 +175,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
+    pdl = pdl and pdl_supported(q.device)
     mid_o = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
     mid_ml = torch.empty((bsz, hq, num_splits, 2), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, hkv, num_splits)](
@@ -177,10 +186,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, PREFETCH_KEYS=l2_prefetch_keys,
         LINE_ELEMS=min(d, LINE_BYTES // k_cache.element_size()), INTERPRET=not q.is_cuda or _interpreting(),
-        num_warps=num_warps, num_stages=num_stages)
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages, **pdl_launch_options(pdl))
     _decode_combine_kernel[(bsz, hq)](
         mid_o, mid_ml, sinks if sinks is not None else q, out, out.stride(0), out.stride(1), hq,
-        D=d, NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None)
+        D=d, NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None, PDL=pdl,
+        **pdl_launch_options(pdl))
     return out
 
 
@@ -216,7 +226,7 @@ def attention_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sinks=None, window=None,
                                num_splits=None, block_n=64, num_warps=4, num_stages=2,
-                               l2_prefetch_keys=0) -> torch.Tensor:
+                               l2_prefetch_keys=0, pdl=False) -> torch.Tensor:
     outs = []
     for b in range(q.shape[0]):
         ctx = int(context_lens[b])

@@ -26,6 +26,7 @@ import triton
 from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight
 from .l2_prefetch import LINE_BYTES
 from .moe_align import moe_align
+from .pdl import pdl_launch_options, pdl_supported
 from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4,
                        moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
 from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
@@ -87,6 +88,9 @@ class MoeConfig:
     # their expert, so that those arrive while gate/up runs
     l2_prefetch: bool = False
     prefetch_down: bool = False
+    # mx_half2: launch the four kernels with programmatic dependent launch where the GPU has it
+    # (kernels/pdl.py), each starting while the one before finishes
+    pdl: bool = False
 
 
 def _rows(w: LinearWeight, rows: slice) -> LinearWeight:
@@ -254,8 +258,9 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         raise ValueError(f"the MXFP4 row-streaming kernels need block_k a multiple of 32, got {cfg.block_k}")
     if cfg.gemv and cfg.mx_words and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_m > 4:
         raise ValueError(f"the MXFP4 word-decode kernels take at most 4 pairs per program, got block_m {cfg.block_m}")
-    if (cfg.l2_prefetch or cfg.prefetch_down) and not cfg.mx_half2:
-        raise ValueError("l2_prefetch and prefetch_down are options of the MXFP4 packed-f16 row kernels (mx_half2)")
+    if (cfg.l2_prefetch or cfg.prefetch_down or cfg.pdl) and not cfg.mx_half2:
+        raise ValueError("l2_prefetch, prefetch_down and pdl are options of the MXFP4 packed-f16 row kernels "
+                         "(mx_half2)")
     if (cfg.fused_combine or cfg.down_tile) and not (cfg.gemv and cfg.block_m == 1 and fmt_d != FMT_MXFP4):
         raise ValueError("fused_combine and down_tile need the dense or FP8 row kernels with one pair per program "
                          "(gemv=True, block_m=1)")
@@ -363,12 +368,13 @@ def _gate_up_biases(experts: MoeExperts, x: torch.Tensor):
     return True, bg, bu, (bg.stride(0), bg.stride(1))
 
 
-def _combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """out [T, H] = the sum of each token's k rows of y [T * k, H] (float32, routing weights
-    applied), in a fixed order."""
+    applied), in a fixed order. pdl: launched with programmatic dependent launch."""
     t, h = out.shape
     block_h = min(1024, triton.next_power_of_2(h))
-    moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_ids, out, h, TOP_K=topk_ids.shape[1], BLOCK_H=block_h)
+    moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_ids, out, h, TOP_K=topk_ids.shape[1], BLOCK_H=block_h,
+                                                     PDL=pdl, **pdl_launch_options(pdl))
     return out
 
 
@@ -393,12 +399,16 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     bg, bu, bias_strides = biases
     # int32 words of 8 codes, strides in 16-byte groups (rows are whole 32-value groups)
     wg32, wu32, wd32 = wg.view(torch.int32), wu.view(torch.int32), wd.view(torch.int32)
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    pdl = cfg.pdl and pdl_supported(x.device)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_options(pdl))
     num_pairs = t * k
+    # every copy made here, before the first launch: under PDL the kernels must follow one another
     expert_ids = topk_ids.reshape(-1)
+    pair_weights = topk_weights.reshape(-1).to(torch.float32)
     xq = torch.empty((t, h), dtype=torch.float16, device=x.device)
     x_inv_scale = torch.empty((t,), dtype=torch.float32, device=x.device)
-    mx_half2_x_kernel[(t,)](x, x.stride(0), xq, x_inv_scale, h, BLOCK_H=triton.next_power_of_2(h))
+    mx_half2_x_kernel[(t,)](x, x.stride(0), xq, x_inv_scale, h, BLOCK_H=triton.next_power_of_2(h), PDL=pdl,
+                            **pdl_launch_options(pdl))
     act_exp = act_scale_exp(experts.limit)
     act = torch.empty((num_pairs, i), dtype=torch.float16, device=x.device)
     up_blocks = triton.cdiv(i, cfg.block_n)
@@ -412,16 +422,17 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
         PREFETCH_LINES=up_lines if cfg.l2_prefetch else 0,
         DOWN_ROWS=triton.next_power_of_2(triton.cdiv(h, up_blocks)) if cfg.prefetch_down else 0,
-        DOWN_LINES=down_lines, **launch)
+        DOWN_LINES=down_lines, PDL=pdl, **launch)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias = experts.down_bias is not None
     bd = experts.down_bias if has_down_bias else x
     moe_down_half2_kernel[(num_pairs, triton.cdiv(h, cfg.block_n))](
         act.view(torch.int32), float(2.0 ** -act_exp), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, sd,
-        *sd_strides, bd, bd.stride(0) if has_down_bias else 0, topk_weights.reshape(-1).to(torch.float32), y,
+        *sd_strides, bd, bd.stride(0) if has_down_bias else 0, pair_weights, y,
         y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, PREFETCH_LINES=down_lines if cfg.l2_prefetch else 0, **launch)
-    return _combine(y, topk_ids, out)
+        BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, PREFETCH_LINES=down_lines if cfg.l2_prefetch else 0, PDL=pdl,
+        **launch)
+    return _combine(y, topk_ids, out, pdl)
 
 
 def expert_slice(w: LinearWeight, e: int) -> LinearWeight:

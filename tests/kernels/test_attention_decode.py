@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernel_checks import TOL, cuda_time_us, paged_cache, rel_err
+from kernel_checks import TOL, cuda_time_us, graph_replays_match, paged_cache, rel_err
 from localchat.kernels.attention_decode import default_num_splits, paged_decode_attention, paged_decode_attention_ref
 from localchat.kernels.gpu_facts import sm_count
 
@@ -38,6 +38,15 @@ def test_l2_prefetch_leaves_the_result_unchanged(prefetch_keys, num_splits, wind
     assert torch.equal(out, plain)
     with pytest.raises(ValueError, match="power of two"):
         paged_decode_attention(q, k, v, tables, ctx, d ** -0.5, s, window, l2_prefetch_keys=48, **opts)
+
+
+def test_pdl_is_off_the_gpu_and_leaves_the_result_unchanged():
+    from localchat.kernels.pdl import pdl_supported
+    assert not pdl_supported(torch.device("cpu"))
+    k, v, tables, ctx = paged_cache([37, 5], 2, 32, 16, torch.float32)
+    q = torch.randn(2, 4, 32, device=DEV)
+    plain = paged_decode_attention(q, k, v, tables, ctx, 32 ** -0.5, block_n=16)
+    assert torch.equal(paged_decode_attention(q, k, v, tables, ctx, 32 ** -0.5, block_n=16, pdl=True), plain)
 
 
 def test_default_splits_fill_the_sms_without_an_extra_wave():
@@ -88,3 +97,21 @@ def test_l2_prefetch_8k_gpu(d, window):
     for keys in (64, 128, 256):
         out = paged_decode_attention(q, k, v, tables, ctx, d ** -0.5, None, window, l2_prefetch_keys=keys)
         assert torch.equal(out, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch_keys", [0, 128])
+def test_pdl_chain_in_a_graph_gpu(prefetch_keys):
+    # each call's query is the output of the call before, so a split kernel that read q before
+    # its wait would see the previous graph replay's values; eager calls without PDL are the truth
+    k, v, tables, ctx = paged_cache([8192], 8, 64, 16, torch.bfloat16)
+    q0 = torch.randn(1, 64, 64, device="cuda", dtype=torch.bfloat16)
+    sinks = torch.randn(64, device="cuda")
+
+    def chain(q, pdl):
+        for _ in range(8):
+            q = paged_decode_attention(q, k, v, tables, ctx, 8.0, sinks, pdl=pdl, l2_prefetch_keys=prefetch_keys) * 4
+        return q
+
+    q_in = torch.empty_like(q0)
+    assert graph_replays_match(lambda: chain(q_in, True), q_in, q0, chain(q0, False))
