@@ -421,7 +421,9 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
         *sd_strides, h, HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
         PREFETCH_LINES=up_lines if cfg.l2_prefetch else 0,
-        DOWN_ROWS=triton.next_power_of_2(triton.cdiv(h, up_blocks)) if cfg.prefetch_down else 0,
+        # each gate/up row block requests its share of down's rows, at most 64 (with fewer blocks
+        # than h / 64 the rows past blocks * 64 are left to the down kernel)
+        DOWN_ROWS=min(64, triton.next_power_of_2(triton.cdiv(h, up_blocks))) if cfg.prefetch_down else 0,
         DOWN_LINES=down_lines, PDL=pdl, **launch)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias = experts.down_bias is not None
