@@ -27,6 +27,8 @@ if step l2-prefetch; then
   timeout "${L2_TESTS_S:-120}" python3 -m pytest -m gpu tests/kernels -q -s -p no:cacheprovider -k "l2_prefetch or pdl or gpt_oss_row_kernels" 2>&1 | tee "$OUT/l2_tests.log" | tail -15
   timeout "${L2_ATTN_S:-120}" python3 bench/bench_attention_splits.py --batches 1,8 --splits 0 --block-n 64 --stages 2 --l2-prefetch 0,128,256 --pdl 0,1 2>&1 | tee "$OUT/l2_attention.log" | grep -v -i warn
   timeout "${L2_ATTN_S:-120}" python3 bench/bench_attention_splits.py --batches 1 --splits 128 --block-n 64 --stages 1,2 --l2-prefetch 0,64 --pdl 0,1 2>&1 | tee "$OUT/l2_attention_tiles.log" | grep -v -i warn
+  timeout "${L2_ATTN_S:-120}" python3 bench/bench_attention_splits.py --batches 1 --splits 64 --block-n 128 --warps 4,8 --stages 1 --pdl 0,1 2>&1 | tee -a "$OUT/l2_attention_tiles.log" | grep -v -i warn
+  timeout 60 python3 bench/pdl_probe.py 2>&1 | tee "$OUT/pdl_probe.log"
   timeout "${L2_MOE_S:-150}" python3 bench/moe_breakdown.py --ts 1,8,32 --only mxfp4 --rows half2:8:256:1:3/p,half2:8:256:1:3/pd,half2:8:256:1:3/p/pd,half2:8:256:1:3/pdl,half2:8:256:1:3/p/pd/pdl,half2:16:256:1:2/p,half2:16:256:1:2/p/pdl 2>&1 | tee "$OUT/l2_moe.log"
 fi
 exit 0
