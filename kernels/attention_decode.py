@@ -14,13 +14,11 @@ the sink. num_splits depends only on static shapes, so the launch is CUDA-graph 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .gpu_facts import MEASURED_SMS, sm_count
+from .gpu_facts import MEASURED_SMS, compiled_on_gpu, sm_count
 from .l2_prefetch import LINE_BYTES, prefetch_l2
 from .pdl import pdl_launch_options, pdl_release, pdl_supported, pdl_wait
 
@@ -185,17 +183,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale * LOG2E, window or 0, block_size, hq,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, PREFETCH_KEYS=l2_prefetch_keys,
-        LINE_ELEMS=min(d, LINE_BYTES // k_cache.element_size()), INTERPRET=not q.is_cuda or _interpreting(),
+        LINE_ELEMS=min(d, LINE_BYTES // k_cache.element_size()), INTERPRET=not compiled_on_gpu(q.device),
         PDL=pdl, num_warps=num_warps, num_stages=num_stages, **pdl_launch_options(pdl))
     _decode_combine_kernel[(bsz, hq)](
         mid_o, mid_ml, sinks if sinks is not None else q, out, out.stride(0), out.stride(1), hq,
         D=d, NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None, PDL=pdl,
         **pdl_launch_options(pdl))
     return out
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def gather_paged(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

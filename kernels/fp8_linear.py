@@ -9,14 +9,13 @@ checkpoints expect, models.md B). Block scales at large M stay on the Triton ker
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..engine.weights.formats import Fp8Weight
-from .gpu_facts import sm_count
+from .gpu_facts import compiled_on_gpu, sm_count
 from .moe_gemm import FMT_FP8_BLK, FMT_FP8_ROW, _row_scale, _weight_dot
 from .row_gemv import GEMV_MAX_M, gemv_block_n, row_gemv_kernel
 
@@ -120,7 +119,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    on_gpu = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    on_gpu = compiled_on_gpu(x.device)
     k, n = w.weight.shape[1], w.weight.shape[0]
     if on_gpu and w.block is None and x2.shape[0] >= SCALED_MM_MIN_M and k % 16 == 0 and n % 16 == 0 \
             and x.dtype != torch.float32:

@@ -17,13 +17,13 @@ fused [E, 2I, H] tensor, concatenated (transformers' GLM layout) or row-interlea
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 
 from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight
+from .gpu_facts import compiled_on_gpu
 from .l2_prefetch import LINE_BYTES
 from .moe_align import moe_align
 from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4,
@@ -236,7 +236,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    on_gpu = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    on_gpu = compiled_on_gpu(x.device)
     cfg = config or default_config(t * k, e, fmt, on_gpu, x.element_size())
     blk_ks = [b[1] for f, b in ((fmt, sblock), (fmt_d, sdblock)) if f == FMT_FP8_BLK]
     if config is None and cfg.mx_half2 and (experts.activation != "swiglu_clamped" or fmt_d != FMT_MXFP4):

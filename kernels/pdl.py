@@ -14,19 +14,17 @@ Rules every kernel here keeps when launched with PDL, so that the stream stays o
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .gpu_facts import compiled_on_gpu, cuda_capability
+
 
 def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on `device` can be launched with PDL: a CUDA device of compute capability
-    9.0 or later, and not the Triton interpreter."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether kernels on `device` can be launched with PDL: compiled for a CUDA device of compute
+    capability 9.0 or later (not the Triton interpreter)."""
+    return compiled_on_gpu(device) and cuda_capability(device)[0] >= 9
 
 
 def pdl_launch_options(pdl: bool) -> dict:

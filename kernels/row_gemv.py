@@ -7,13 +7,12 @@ channel or block scales (kernels/fp8_linear.py launches those).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .gpu_facts import MEASURED_SMS, sm_count
+from .gpu_facts import MEASURED_SMS, compiled_on_gpu, sm_count
 from .moe_gemm import FMT_DENSE
 
 GEMV_MAX_M = 2  # H200, FP8: 1 token 2.4x faster than the tile kernel; at 4 the two are even, at 8 the tile wins
@@ -120,7 +119,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"dense_gemv takes x [M <= 4, K] and a K-contiguous weight [N, K]; got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)} with strides {weight.stride()}")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    on_gpu = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    on_gpu = compiled_on_gpu(x.device)
     block_n = block_n or (gemv_block_n(n, sm_count(x.device)) if on_gpu else 4)
     block_k = block_k or (256 if on_gpu else 32)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
