@@ -4,12 +4,10 @@ call's reads (bench_kernels.py repeats one call, whose 17-34 MB at batch 1 then 
 from L2).
 
     python bench/bench_attention_splits.py [--batches 1,8] [--ctx 8192] [--splits 0,32,64,128,256] [--block-n 32,64]
-        [--warps 4] [--stages 2] [--l2-prefetch 0,128] [--pdl 0,1]
+        [--warps 4] [--stages 2]
 
-Split count 0 is the default (attention_decode.default_num_splits). --l2-prefetch: the keys each
-split requests into L2 before its loop (0: none); --pdl 1: both kernels launched with
-programmatic dependent launch. Every candidate's output is checked against the default's before
-it is timed.
+Split count 0 is the default (attention_decode.default_num_splits). Every candidate's output is
+checked against the default's before it is timed.
 """
 from __future__ import annotations
 
@@ -51,8 +49,6 @@ def main() -> None:
     parser.add_argument("--block-n", default="32,64")
     parser.add_argument("--warps", default="4")
     parser.add_argument("--stages", default="2")
-    parser.add_argument("--l2-prefetch", default="0")
-    parser.add_argument("--pdl", default="0")
     args = parser.parse_args()
     torch.manual_seed(0)
     ctx_len = args.ctx
@@ -64,16 +60,14 @@ def main() -> None:
             q = torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16)
             s = torch.randn(hq, device="cuda") if sinks else None
             ref = paged_decode_attention(q, *caches[0][:2], caches[0][2], ctx, d ** -0.5, s).float()
-            variants = [(int(bn), int(nw), int(ns), int(pf), bool(int(pdl))) for bn in args.block_n.split(",")
-                        for nw in args.warps.split(",") for ns in args.stages.split(",")
-                        for pf in args.l2_prefetch.split(",") for pdl in args.pdl.split(",")]
-            for block_n, warps, stages, prefetch, pdl in variants:
+            variants = [(int(bn), int(nw), int(ns)) for bn in args.block_n.split(",")
+                        for nw in args.warps.split(",") for ns in args.stages.split(",")]
+            for block_n, warps, stages in variants:
                 for splits in (int(v) for v in args.splits.split(",")):
                     n = splits or default_num_splits(bsz, hkv, ctx_len, block_n)
                     if n > ctx_len // block_n:
                         continue
-                    opts = dict(num_splits=n, block_n=block_n, num_warps=warps, num_stages=stages,
-                                l2_prefetch_keys=prefetch, pdl=pdl)
+                    opts = dict(num_splits=n, block_n=block_n, num_warps=warps, num_stages=stages)
                     try:
                         err = rel_err(paged_decode_attention(q, *caches[0][:2], caches[0][2], ctx, d ** -0.5, s,
                                                              **opts), ref)
@@ -83,7 +77,7 @@ def main() -> None:
                         q, c[0], c[1], c[2], ctx, d ** -0.5, s, **o) for c in caches])
                     gbs = kv_bytes / us / 1e3
                     tag = " (default)" if not splits else ""
-                    print(f"{name} B={bsz} ctx={ctx_len} block_n={block_n} w{warps} s{stages} splits={n} l2 {prefetch} pdl {int(pdl)}{tag}: "
+                    print(f"{name} B={bsz} ctx={ctx_len} block_n={block_n} w{warps} s{stages} splits={n}{tag}: "
                           f"{us:.1f} us, {gbs:.0f} GB/s, {gbs / COPY_CEILING_GBS:.0%} of copy, rel err {err:.1e}",
                           flush=True)
             del caches

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # One round of GPU checks on a CUDA machine where the package is not installed. Steps are chosen
-# with STEPS (default: all but the last four): kernels, model, runtime, serve, kernel-bench,
+# with STEPS (default: the first five): kernels, model, runtime, serve, kernel-bench,
 # host (engine host-time profile), breakdown (time per MoE kernel), moe-half2 (MXFP4 packed-f16 timings),
-# attention-splits (decode attention against splits, key tile, warps and stages), l2-prefetch (the
-# L2 prefetch and programmatic dependent launch options of decode attention and the MXFP4 kernels:
-# GPU tests, then timings). Logs go to $OUT.
+# attention-splits (decode attention against splits, key tile, warps and stages), floor (pure reads
+# of a decode step's bytes, bench/read_floor.py). Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -23,12 +22,5 @@ step host && timeout "${HOST_S:-100}" python3 bench/profile_host.py glm-4.5v-fp8
 step moe-half2 && timeout "${HALF2_S:-150}" python3 bench/bench_moe_sweep.py --half2 --ts ${HALF2_TS:-1,8,32,64} --only mxfp4,mxfp4_20b 2>&1 | tee "$OUT/half2.log" | grep best
 step breakdown && timeout "${BREAKDOWN_S:-90}" python3 bench/moe_breakdown.py ${BREAKDOWN_ARGS:---ts 1,8 --words} 2>&1 | tee "$OUT/breakdown.log"
 step attention-splits && timeout "${ATTN_S:-300}" python3 bench/bench_attention_splits.py ${ATTN_ARGS:---batches 1,8} 2>&1 | tee "$OUT/attention_splits.log" | tail -80
-if step l2-prefetch; then
-  timeout "${L2_TESTS_S:-120}" python3 -m pytest -m gpu tests/kernels -q -s -p no:cacheprovider -k "l2_prefetch or pdl or gpt_oss_row_kernels" 2>&1 | tee "$OUT/l2_tests.log" | tail -15
-  timeout "${L2_ATTN_S:-120}" python3 bench/bench_attention_splits.py --batches 1,8 --splits 0 --block-n 64 --stages 2 --l2-prefetch 0,128,256 --pdl 0,1 2>&1 | tee "$OUT/l2_attention.log" | grep -v -i warn
-  timeout "${L2_ATTN_S:-120}" python3 bench/bench_attention_splits.py --batches 1 --splits 128 --block-n 64 --stages 1,2 --l2-prefetch 0,64 --pdl 0,1 2>&1 | tee "$OUT/l2_attention_tiles.log" | grep -v -i warn
-  timeout "${L2_ATTN_S:-120}" python3 bench/bench_attention_splits.py --batches 1 --splits 64 --block-n 128 --warps 4,8 --stages 1 --pdl 0,1 2>&1 | tee -a "$OUT/l2_attention_tiles.log" | grep -v -i warn
-  timeout 60 python3 bench/pdl_probe.py 2>&1 | tee "$OUT/pdl_probe.log"
-  timeout "${L2_MOE_S:-150}" python3 bench/moe_breakdown.py --ts 1,8,32 --only mxfp4 --rows half2:8:256:1:3/p,half2:8:256:1:3/pd,half2:8:256:1:3/p/pd,half2:8:256:1:3/pdl,half2:8:256:1:3/p/pd/pdl,half2:16:256:1:2/p,half2:16:256:1:2/p/pdl 2>&1 | tee "$OUT/l2_moe.log"
-fi
+step floor && timeout "${FLOOR_S:-150}" python3 bench/read_floor.py 2>&1 | tee "$OUT/read_floor.log"
 exit 0

@@ -18,9 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gpu_facts import MEASURED_SMS, compiled_on_gpu, sm_count
-from .l2_prefetch import LINE_BYTES, prefetch_l2
-from .pdl import pdl_launch_options, pdl_release, pdl_supported, pdl_wait
+from .gpu_facts import MEASURED_SMS, sm_count
 
 LOG2E = 1.4426950408889634
 
@@ -30,8 +28,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                          stride_tb, qk_scale, window, block_size, HQ,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, PREFETCH_KEYS: tl.constexpr,
-                         LINE_ELEMS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -42,12 +39,6 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
     per_split = tl.cdiv(tl.cdiv(ctx - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(start + per_split, ctx)
-
-    if PREFETCH_KEYS > 0:  # page tables and the cache's older keys: not the kernel before's output
-        _prefetch_keys(k_ptr, v_ptr, tables_ptr, b, kvh, start, end, stride_kb, stride_ks, stride_kh, stride_vb,
-                       stride_vs, stride_vh, stride_tb, block_size, D, PREFETCH_KEYS, LINE_ELEMS, INTERPRET)
-    pdl_wait(PDL)  # q and the newest key come from the kernel before
-    pdl_release(PDL)
 
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
@@ -84,29 +75,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
 
 
 @triton.jit
-def _prefetch_keys(k_ptr, v_ptr, tables_ptr, b, kvh, start, end, stride_kb, stride_ks, stride_kh, stride_vb,
-                   stride_vs, stride_vh, stride_tb, block_size, D: tl.constexpr, KEYS: tl.constexpr,
-                   LINE_ELEMS: tl.constexpr, INTERPRET: tl.constexpr):
-    """Every L2 line of this KV head's keys and values at start .. start + KEYS - 1 (below end),
-    requested at once: their pages come from one load of the table instead of one per tile."""
-    j = start + tl.arange(0, KEYS)
-    j_mask = j < end
-    page = tl.load(tables_ptr + b * stride_tb + j // block_size, mask=j_mask, other=0).to(tl.int64)
-    slot = j % block_size
-    line = tl.arange(0, D // LINE_ELEMS) * LINE_ELEMS
-    mask = j_mask[:, None] & (line[None, :] >= 0)
-    prefetch_l2(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + line[None, :],
-                mask, False, INTERPRET)
-    prefetch_l2(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + line[None, :],
-                mask, False, INTERPRET)
-
-
-@triton.jit
 def _decode_combine_kernel(mid_o_ptr, mid_ml_ptr, sinks_ptr, out_ptr, stride_ob, stride_oh, HQ,
                            D: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
-                           HAS_SINKS: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
-    pdl_release(PDL)
+                           HAS_SINKS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
@@ -145,17 +116,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sinks: torch.Tensor | None = None, window: int | None = None,
                            num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 2, l2_prefetch_keys: int = 0, pdl: bool = False) -> torch.Tensor:
+                           num_stages: int = 2) -> torch.Tensor:
     """q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
     int32; context_lens [B] int32 (>= 1, the query's own key included); sinks [Hq] or None;
     window: keys i - window < j <= i. Returns [B, Hq, D] in q.dtype. num_splits, block_n (keys
     per tile), num_warps and num_stages (key tiles in flight) of the split kernel: two tiles in
     flight leave room in shared memory for more programs per SM, which measured faster than
-    three or four at batch 1-8 (bench/bench_attention_splits.py). l2_prefetch_keys: each split
-    first requests into L2 every line of its first that many keys (a power of two; 0: none), so
-    that its key tiles are fetched together rather than one after another (kernels/l2_prefetch.py).
-    pdl: launch both kernels with programmatic dependent launch where the GPU has it
-    (kernels/pdl.py): the splits' page-table reads and prefetches overlap the kernel before."""
+    three or four at batch 1-8 (bench/bench_attention_splits.py)."""
     bsz, hq, d = q.shape
     _, block_size, hkv, dk = k_cache.shape
     if dk != d or hq % hkv or d & (d - 1):
@@ -164,8 +131,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("q and the caches must be contiguous along head_dim")
     group = hq // hkv
-    if l2_prefetch_keys & (l2_prefetch_keys - 1):
-        raise ValueError(f"l2_prefetch_keys must be 0 or a power of two, got {l2_prefetch_keys}")
     if num_splits is None:
         # a windowed layer reads at most `window` keys, however long the table
         keys = block_tables.shape[1] * block_size if window is None else min(window, block_tables.shape[1] * block_size)
@@ -173,7 +138,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
-    pdl = pdl and pdl_supported(q.device)
     mid_o = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
     mid_ml = torch.empty((bsz, hq, num_splits, 2), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, hkv, num_splits)](
@@ -182,13 +146,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         scale * LOG2E, window or 0, block_size, hq,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, PREFETCH_KEYS=l2_prefetch_keys,
-        LINE_ELEMS=min(d, LINE_BYTES // k_cache.element_size()), INTERPRET=not compiled_on_gpu(q.device),
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, **pdl_launch_options(pdl))
+        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, num_warps=num_warps, num_stages=num_stages)
     _decode_combine_kernel[(bsz, hq)](
         mid_o, mid_ml, sinks if sinks is not None else q, out, out.stride(0), out.stride(1), hq,
-        D=d, NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None, PDL=pdl,
-        **pdl_launch_options(pdl))
+        D=d, NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None)
     return out
 
 
@@ -219,8 +180,7 @@ def attention_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sinks=None, window=None,
-                               num_splits=None, block_n=64, num_warps=4, num_stages=2,
-                               l2_prefetch_keys=0, pdl=False) -> torch.Tensor:
+                               num_splits=None, block_n=64, num_warps=4, num_stages=2) -> torch.Tensor:
     outs = []
     for b in range(q.shape[0]):
         ctx = int(context_lens[b])

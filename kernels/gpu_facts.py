@@ -28,13 +28,3 @@ def compiled_on_gpu(device: torch.device) -> bool:
     """Whether Triton kernels on `device` run compiled on a CUDA GPU rather than in Triton's
     interpreter (TRITON_INTERPRET=1, the CPU tests)."""
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def cuda_capability(device: torch.device) -> tuple[int, int]:
-    """(major, minor) compute capability of a CUDA device, read once per device."""
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())

@@ -24,14 +24,12 @@ import triton
 
 from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight
 from .gpu_facts import compiled_on_gpu
-from .l2_prefetch import LINE_BYTES
 from .moe_align import moe_align
 from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4,
                        moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
 from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from .moe_gemv_half2 import act_scale_exp, moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
 from .moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
-from .pdl import pdl_launch_options, pdl_supported
 
 ACTIVATIONS = {"silu_glu": ACT_SILU_GLU, "swiglu_clamped": ACT_SWIGLU_OAI}
 
@@ -83,14 +81,6 @@ class MoeConfig:
     # dense/FP8 row kernels: (block_n, block_k, num_warps, num_stages) of the down GEMV, whose
     # shape differs from gate/up's (GLM-4.5V: 4096 rows of 1408 against 2 x 1408 rows of 4096)
     down_tile: tuple[int, int, int, int] | None = None
-    # MXFP4 packed-f16 row kernels (mx_half2): each program first requests its weight rows into L2
-    # (kernels/l2_prefetch.py); prefetch_down: the gate/up programs also request the down rows of
-    # their expert, so that those arrive while gate/up runs
-    l2_prefetch: bool = False
-    prefetch_down: bool = False
-    # mx_half2: launch the four kernels with programmatic dependent launch where the GPU has it
-    # (kernels/pdl.py), each starting while the one before finishes
-    pdl: bool = False
 
 
 def _rows(w: LinearWeight, rows: slice) -> LinearWeight:
@@ -258,9 +248,6 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         raise ValueError(f"the MXFP4 row-streaming kernels need block_k a multiple of 32, got {cfg.block_k}")
     if cfg.gemv and cfg.mx_words and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_m > 4:
         raise ValueError(f"the MXFP4 word-decode kernels take at most 4 pairs per program, got block_m {cfg.block_m}")
-    if (cfg.l2_prefetch or cfg.prefetch_down or cfg.pdl) and not cfg.mx_half2:
-        raise ValueError("l2_prefetch, prefetch_down and pdl are options of the MXFP4 packed-f16 row kernels "
-                         "(mx_half2)")
     if (cfg.fused_combine or cfg.down_tile) and not (cfg.gemv and cfg.block_m == 1 and fmt_d != FMT_MXFP4):
         raise ValueError("fused_combine and down_tile need the dense or FP8 row kernels with one pair per program "
                          "(gemv=True, block_m=1)")
@@ -368,13 +355,12 @@ def _gate_up_biases(experts: MoeExperts, x: torch.Tensor):
     return True, bg, bu, (bg.stride(0), bg.stride(1))
 
 
-def _combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def _combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out [T, H] = the sum of each token's k rows of y [T * k, H] (float32, routing weights
-    applied), in a fixed order. pdl: launched with programmatic dependent launch."""
+    applied), in a fixed order."""
     t, h = out.shape
     block_h = min(1024, triton.next_power_of_2(h))
-    moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_ids, out, h, TOP_K=topk_ids.shape[1], BLOCK_H=block_h,
-                                                     PDL=pdl, **pdl_launch_options(pdl))
+    moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_ids, out, h, TOP_K=topk_ids.shape[1], BLOCK_H=block_h)
     return out
 
 
@@ -399,42 +385,28 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     bg, bu, bias_strides = biases
     # int32 words of 8 codes, strides in 16-byte groups (rows are whole 32-value groups)
     wg32, wu32, wd32 = wg.view(torch.int32), wu.view(torch.int32), wd.view(torch.int32)
-    pdl = cfg.pdl and pdl_supported(x.device)
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_options(pdl))
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     num_pairs = t * k
-    # every copy made here, before the first launch: under PDL the kernels must follow one another
     expert_ids = topk_ids.reshape(-1)
-    pair_weights = topk_weights.reshape(-1).to(torch.float32)
     xq = torch.empty((t, h), dtype=torch.float16, device=x.device)
     x_inv_scale = torch.empty((t,), dtype=torch.float32, device=x.device)
-    mx_half2_x_kernel[(t,)](x, x.stride(0), xq, x_inv_scale, h, BLOCK_H=triton.next_power_of_2(h), PDL=pdl,
-                            **pdl_launch_options(pdl))
+    mx_half2_x_kernel[(t,)](x, x.stride(0), xq, x_inv_scale, h, BLOCK_H=triton.next_power_of_2(h))
     act_exp = act_scale_exp(experts.limit)
     act = torch.empty((num_pairs, i), dtype=torch.float16, device=x.device)
-    up_blocks = triton.cdiv(i, cfg.block_n)
-    # 128-byte lines a row of gate/up (K = h) and of down (K = i), as powers of two
-    up_lines, down_lines = (triton.next_power_of_2(triton.cdiv(kk // 2, LINE_BYTES)) for kk in (h, i))
-    moe_gate_up_half2_kernel[(num_pairs, up_blocks)](
+    moe_gate_up_half2_kernel[(num_pairs, triton.cdiv(i, cfg.block_n))](
         xq.view(torch.int32), x_inv_scale, wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4,
         sg, su, *s_strides, bg, bu, *bias_strides, act, float(2.0 ** act_exp), expert_ids, i, h, k,
-        float(experts.alpha), float(experts.limit), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, sd,
-        *sd_strides, h, HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
-        PREFETCH_LINES=up_lines if cfg.l2_prefetch else 0,
-        # each gate/up row block requests its share of down's rows, at most 64 (with fewer blocks
-        # than h / 64 the rows past blocks * 64 are left to the down kernel)
-        DOWN_ROWS=min(64, triton.next_power_of_2(triton.cdiv(h, up_blocks))) if cfg.prefetch_down else 0,
-        DOWN_LINES=down_lines, PDL=pdl, **launch)
+        float(experts.alpha), float(experts.limit), HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias = experts.down_bias is not None
     bd = experts.down_bias if has_down_bias else x
     moe_down_half2_kernel[(num_pairs, triton.cdiv(h, cfg.block_n))](
         act.view(torch.int32), float(2.0 ** -act_exp), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, sd,
-        *sd_strides, bd, bd.stride(0) if has_down_bias else 0, pair_weights, y,
+        *sd_strides, bd, bd.stride(0) if has_down_bias else 0, topk_weights.reshape(-1).to(torch.float32), y,
         y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, PREFETCH_LINES=down_lines if cfg.l2_prefetch else 0, PDL=pdl,
-        **launch)
-    return _combine(y, topk_ids, out, pdl)
+        BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
+    return _combine(y, topk_ids, out)
 
 
 def expert_slice(w: LinearWeight, e: int) -> LinearWeight:

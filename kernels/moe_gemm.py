@@ -20,8 +20,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .pdl import pdl_release, pdl_wait
-
 FMT_DENSE = 0
 FMT_FP8_ROW = 1
 FMT_FP8_BLK = 2
@@ -202,12 +200,10 @@ def moe_down_kernel(
 
 
 @triton.jit
-def moe_combine_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+def moe_combine_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t, :] = sum_j y[t * TOP_K + j, :] (y float32 [T*k, H]) cast to out's dtype, over the
     pairs whose expert id (ids [T*k]) is not -1: those rows were never written. Fixed summation
-    order. PDL: launched with programmatic dependent launch (kernels/pdl.py)."""
-    pdl_wait(PDL)
-    pdl_release(PDL)
+    order."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H

@@ -26,11 +26,6 @@ Loads: the K loop is software-pipelined STAGES deep (asynchronous copies of the 
 activation pairs); the one-byte E8M0 scales stay ordinary loads (reading them through 32-bit
 words, so that they are copied ahead too, measured slower: bench/NOTES-moe.md).
 
-L2 prefetch (MoeConfig.l2_prefetch, prefetch_down): a program can first request every L2 line of
-its weight rows at once (its pipelined loads then find them in L2 or on the way), and the gate/up
-programs can request the down kernel's rows of their expert, one row block each, at the evict-last
-priority so that the gate/up stream does not push them out before the down kernel reads them.
-
 Under TRITON_INTERPRET the assembly cannot run; the kernels compute the same group sums in
 float32 instead (INTERPRET=True), which tests every index, order and scale around it.
 """
@@ -39,10 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .l2_prefetch import prefetch_l2
 from .moe_gemv import _e2m1_f32
 from .moe_gemv_words import _mx_words_raw
-from .pdl import pdl_release, pdl_wait
 
 X_MAX_EXP = 14  # scaled activations stay below 2^14 in magnitude
 _PAIRS = [(0, 2), (4, 6), (1, 3), (5, 7)]  # codes of a word in its four f16x2 registers (low, high)
@@ -181,25 +174,9 @@ def _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, st
 
 
 @triton.jit
-def _prefetch_rows(w_ptr, s_ptr, e, n, n_mask, K, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                   KEEP: tl.constexpr, INTERPRET: tl.constexpr, LINES: tl.constexpr):
-    """Request into L2 every line of the MXFP4 rows n of expert e (int32 words, K / 8 a row,
-    strides in 16-byte groups; LINES: a power of two >= the row's 128-byte lines) and the lines of
-    their first and last E8M0 scales."""
-    line = tl.arange(0, LINES) * 32  # int32 words a line
-    row = (e.to(tl.int64) * stride_we + n.to(tl.int64) * stride_wn) * 4
-    prefetch_l2(w_ptr + row[:, None] + line[None, :], n_mask[:, None] & (line[None, :] < K // 8), KEEP, INTERPRET)
-    ends = tl.arange(0, 2) * (K // 32 - 1)
-    s_row = s_ptr + e.to(tl.int64) * stride_se + n * stride_sn
-    prefetch_l2(s_row[:, None] + ends[None, :] * stride_sk, n_mask[:, None] & (ends[None, :] >= 0), KEEP, INTERPRET)
-
-
-@triton.jit
-def mx_half2_x_kernel(x_ptr, stride_xt, xq_ptr, inv_scale_ptr, H, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+def mx_half2_x_kernel(x_ptr, stride_xt, xq_ptr, inv_scale_ptr, H, BLOCK_H: tl.constexpr):
     """Row t of x [T, H] -> f16 x * 2^k in pair order (xq [T, H]) and 2^-k
     (inv_scale [T] float32), k chosen per row so the largest |x| * 2^k is below 2^14."""
-    pdl_wait(PDL)
-    pdl_release(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -219,38 +196,19 @@ def moe_gate_up_half2_kernel(
         sg_ptr, su_ptr, stride_se, stride_sn, stride_sk,
         bg_ptr, bu_ptr, stride_be, stride_bn,
         out_ptr, act_scale, expert_ptr, N, K, top_k, alpha, limit,
-        wd_ptr, stride_de, stride_dn, sd_ptr, stride_dse, stride_dsn, stride_dsk, H,
         HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-        PREFETCH_LINES: tl.constexpr, DOWN_ROWS: tl.constexpr, DOWN_LINES: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """Program (pair, n-block): gate and up rows [BLOCK_N] of the pair's expert against the
     pair's token, clamped SwiGLU (gpt-oss), stored as f16 act * act_scale in pair order to
     out [pairs, N]. xq: int32 view of the f16 pair-ordered activations [T, K / 2]; wg / wu:
-    int32 views of the codes with strides in 16-byte groups; expert_ptr: topk_ids flattened.
-    PREFETCH_LINES > 0: the program's gate and up rows are requested into L2 first (that many
-    lines a row, a power of two). DOWN_ROWS > 0: it also requests rows n-block * DOWN_ROWS ..
-    of its expert's down weights (wd [E, H, N] words, sd scales; DOWN_LINES lines a row). PDL:
-    launched with programmatic dependent launch; the expert id (routing, two launches back) and
-    the weights are read before the wait, the activations after it (kernels/pdl.py)."""
+    int32 views of the codes with strides in 16-byte groups; expert_ptr: topk_ids flattened."""
     pair = tl.program_id(0)
     e = tl.load(expert_ptr + pair)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    if e >= 0:
-        if PREFETCH_LINES > 0:
-            _prefetch_rows(wg_ptr, sg_ptr, e, n, n_mask, K, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                           False, INTERPRET, PREFETCH_LINES)
-            _prefetch_rows(wu_ptr, su_ptr, e, n, n_mask, K, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                           False, INTERPRET, PREFETCH_LINES)
-        if DOWN_ROWS > 0:
-            dn = tl.program_id(1) * DOWN_ROWS + tl.arange(0, DOWN_ROWS)
-            _prefetch_rows(wd_ptr, sd_ptr, e, dn, dn < H, N, stride_de, stride_dn, stride_dse, stride_dsn,
-                           stride_dsk, True, INTERPRET, DOWN_LINES)
-    pdl_wait(PDL)
-    pdl_release(PDL)
     if e < 0:
         return
     tok = (pair // top_k).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     acc_g = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
@@ -282,24 +240,16 @@ def moe_down_half2_kernel(
         b_ptr, stride_be,
         pair_weights_ptr, y_ptr, stride_yt, expert_ptr, N, K,
         HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-        PDL: tl.constexpr):
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """Program (pair, n-block): y[pair, n] = pair weight * (down rows [BLOCK_N] . act + bias) in
     float32; aq: int32 view of the f16 pair-ordered GLU output [pairs, K / 2] scaled by
-    1 / a_inv_scale. PREFETCH_LINES > 0: the rows are requested into L2 first. PDL: as the
-    gate/up kernel (the GLU output is read after the wait)."""
+    1 / a_inv_scale."""
     pair = tl.program_id(0)
     e = tl.load(expert_ptr + pair)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    if PREFETCH_LINES > 0:
-        if e >= 0:
-            _prefetch_rows(w_ptr, s_ptr, e, n, n_mask, K, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                           False, INTERPRET, PREFETCH_LINES)
-    pdl_wait(PDL)
-    pdl_release(PDL)
     if e < 0:
         return
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     aq_row = aq_ptr + pair.to(tl.int64) * (K // 2)

@@ -8,7 +8,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from localchat.kernels.attention_decode import _decode_combine_kernel, _decode_split_kernel
 from localchat.kernels.moe_gemm import moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel
 from localchat.kernels.moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
@@ -44,8 +43,7 @@ WORDS = _types({"x_ptr": "*bf16", "a_ptr": "*bf16", "bg_ptr": "*bf16", "bu_ptr":
 WORDS_DOWN = _types({**{n: WORDS(n) for n in ("a_ptr", "b_ptr", "w_ptr", "s_ptr", "pair_weights_ptr", "pair_ptr",
                                               "expert_ptr")}, "out_ptr": "*fp32"})
 HALF2 = _types({"xq_ptr": "*i32", "x_inv_scale_ptr": "*fp32", "aq_ptr": "*i32", "wg_ptr": "*i32", "wu_ptr": "*i32",
-                "w_ptr": "*i32", "wd_ptr": "*i32", "sg_ptr": "*u8", "su_ptr": "*u8", "s_ptr": "*u8", "sd_ptr": "*u8",
-                "bg_ptr": "*bf16", "bu_ptr": "*bf16",
+                "w_ptr": "*i32", "sg_ptr": "*u8", "su_ptr": "*u8", "s_ptr": "*u8", "bg_ptr": "*bf16", "bu_ptr": "*bf16",
                 "b_ptr": "*bf16", "out_ptr": "*fp16", "expert_ptr": "*i64", "pair_weights_ptr": "*fp32",
                 "act_scale": "fp32", "a_inv_scale": "fp32", "alpha": "fp32", "limit": "fp32"})
 HALF2_DOWN = _types({**{n: HALF2(n) for n in ("aq_ptr", "a_inv_scale", "w_ptr", "s_ptr", "b_ptr", "expert_ptr",
@@ -67,23 +65,14 @@ for prefetch in (False, True):
                   dict(SORTED=False, HAS_BIAS=True, X_BF16=True, PREFETCH=prefetch, BLOCK_M=1, BLOCK_N=16,
                        BLOCK_K=256), 2, 3))
 for bn, bk, warps in ((8, 256, 1), (16, 512, 4)):
-    half2 = dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=bn, BLOCK_K=bk, STAGES=3, PREFETCH_LINES=0, PDL=False)
-    CASES.append((f"MXFP4 gate/up half2 n{bn} k{bk}", moe_gate_up_half2_kernel, HALF2,
-                  dict(half2, DOWN_ROWS=0, DOWN_LINES=16), warps, 3))
+    half2 = dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=bn, BLOCK_K=bk, STAGES=3)
+    CASES.append((f"MXFP4 gate/up half2 n{bn} k{bk}", moe_gate_up_half2_kernel, HALF2, half2, warps, 3))
     CASES.append((f"MXFP4 down half2 n{bn} k{bk}", moe_down_half2_kernel, HALF2_DOWN, half2, warps, 3))
 CASES += [
     ("MXFP4 half2 activations", mx_half2_x_kernel,
-     _types({"x_ptr": "*bf16", "xq_ptr": "*fp16", "inv_scale_ptr": "*fp32"}), dict(BLOCK_H=4096, PDL=False), 4, 1),
+     _types({"x_ptr": "*bf16", "xq_ptr": "*fp16", "inv_scale_ptr": "*fp32"}), dict(BLOCK_H=4096), 4, 1),
     ("MoE combine", moe_combine_kernel, _types({"y_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16"}),
-     dict(TOP_K=4, BLOCK_H=1024, PDL=False), 4, 1),
-    # programmatic dependent launch: the wait comes before any global write (kernels/pdl.py)
-    ("MXFP4 half2 activations, PDL", mx_half2_x_kernel,
-     _types({"x_ptr": "*bf16", "xq_ptr": "*fp16", "inv_scale_ptr": "*fp32"}), dict(BLOCK_H=4096, PDL=True), 4, 1),
-    ("MoE combine, PDL", moe_combine_kernel, _types({"y_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16"}),
-     dict(TOP_K=4, BLOCK_H=1024, PDL=True), 4, 1),
-    ("decode attention combine, PDL", _decode_combine_kernel,
-     _types({"mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*bf16"}),
-     dict(D=128, NUM_SPLITS=64, S_PAD=64, HAS_SINKS=True, PDL=True), 4, 1),
+     dict(TOP_K=4, BLOCK_H=1024), 4, 1),
     ("FP8 gate/up tile 16x64x128", moe_gate_up_kernel, TILE_FP8,
      dict(FORMAT=1, MX_DOT_SCALED=True, SBN=1, SBK=1, X_FMT="bf16", ACT=0, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64,
           BLOCK_K=128), 4, 4),
@@ -117,14 +106,7 @@ GEMV_FP8_DOWN = _types({"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
                         "arrivals_ptr": "*i32", "sum_ptr": "*bf16"})
 PIPELINED = [
     ("MXFP4 gate/up half2 n8 k256 w1, 3 stages", moe_gate_up_half2_kernel, HALF2,
-     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3, PREFETCH_LINES=0, DOWN_ROWS=0,
-          DOWN_LINES=16, PDL=False), 1, 3),
-    # L2 prefetch of the program's rows (12 lines of a 1440-byte row, as 16) and 8 down rows
-    ("MXFP4 gate/up half2 n8 k256 w1, 3 stages, L2 prefetch of its rows and the down rows, PDL",
-     moe_gate_up_half2_kernel, HALF2, dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3,
-                                           PREFETCH_LINES=16, DOWN_ROWS=8, DOWN_LINES=16, PDL=True), 1, 3),
-    ("MXFP4 down half2 n8 k256 w1, 3 stages, L2 prefetch of its rows, PDL", moe_down_half2_kernel, HALF2_DOWN,
-     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3, PREFETCH_LINES=16, PDL=True), 1, 3),
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3), 1, 3),
     ("FP8 gate/up row kernel n32 k256 w4, 3 stages", moe_gate_up_gemv_kernel, GEMV_FP8,
      dict(FORMAT=1, SBN=1, SBK=1, SORTED=False, ACT=0, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
           STAGES=3), 4, 3),
@@ -132,24 +114,6 @@ PIPELINED = [
      dict(FORMAT=2, SBN=128, SBK=128, SORTED=False, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=64, BLOCK_K=256, STAGES=3,
           COMBINE=True, TOP_K=8), 4, 3),
 ]
-ATTN_SPLIT = _types({"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i32", "lens_ptr": "*i32",
-                     "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32", "qk_scale": "fp32"})
-for keys, pdl in ((0, False), (128, True)):
-    PIPELINED.append((f"decode attention split d128 n64, 2 stages, L2 prefetch of {keys} keys, PDL {pdl}",
-                      _decode_split_kernel, ATTN_SPLIT,
-                      dict(G=12, G_PAD=16, D=128, BLOCK_N=64, NUM_SPLITS=64, HAS_WINDOW=False, PREFETCH_KEYS=keys,
-                           LINE_ELEMS=64, INTERPRET=False, PDL=pdl), 4, 2))
-
-
-def _check_pdl_order(ptx: str) -> None:
-    """Under PDL a kernel waits for the one before ahead of every global write (the allocator may
-    have given it memory that kernel still reads), and releases the next one only after its wait."""
-    wait = ptx.find("griddepcontrol.wait")
-    release = ptx.find("griddepcontrol.launch_dependents")
-    assert wait >= 0 and release > wait, "no griddepcontrol.wait, or the release comes before it"
-    for write in ("st.global", "atom.global", "red.global", "cp.async.bulk.global"):
-        at = ptx.find(write)
-        assert at < 0 or at > wait, f"{write} before griddepcontrol.wait"
 
 
 def main() -> int:
@@ -164,10 +128,6 @@ def main() -> int:
             assert "cvt.bf16.f16" not in kernel.asm["ptx"], "direct f16 -> bf16 conversion (F2F)"
             if pipelined:
                 assert "async_copy_global_to_local" in kernel.asm["ttgir"], "K loop not software-pipelined"
-            if constexprs.get("PREFETCH_KEYS") or constexprs.get("PREFETCH_LINES"):
-                assert "prefetch.global.L2" in kernel.asm["ptx"], "no L2 prefetch"
-            if constexprs.get("PDL"):
-                _check_pdl_order(kernel.asm["ptx"])
             print(f"ok     {name}")
         except Exception as e:  # report every kernel, then fail
             failed += 1

@@ -105,22 +105,3 @@ def random_gpt_oss_experts(e: int, i: int, h: int, *, bias_dtype=torch.float32, 
                            torch.randn(e, 2 * i, device=device, dtype=bias_dtype),
                            Mxfp4Weight(*random_mxfp4(e, h, i, device=device)),
                            torch.randn(e, h, device=device, dtype=bias_dtype))
-
-
-def graph_replays_match(run, inp: torch.Tensor, first: torch.Tensor, want: torch.Tensor) -> bool:
-    """Captures run() (a chain of calls reading inp) in a CUDA graph, replays it three times on
-    other random inputs, then once with inp = first, and says whether that output equals want
-    bit for bit: a kernel that read its input before the kernel writing it had finished would
-    see an earlier replay's values."""
-    inp.copy_(first)
-    run()  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = run()
-    for _ in range(3):
-        inp.copy_(torch.randn_like(inp))
-        graph.replay()
-    inp.copy_(first)
-    graph.replay()
-    torch.cuda.synchronize()
-    return torch.equal(got, want)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernel_checks import TOL, cuda_time_us, graph_replays_match, paged_cache, rel_err
+from kernel_checks import TOL, cuda_time_us, paged_cache, rel_err
 from localchat.kernels.attention_decode import default_num_splits, paged_decode_attention, paged_decode_attention_ref
 from localchat.kernels.gpu_facts import sm_count
 
@@ -22,31 +22,6 @@ def test_decode_matches_reference(dtype, sinks, window, num_splits):
     ref = paged_decode_attention_ref(q, k, v, tables, ctx, d ** -0.5, s, window)
     assert out.shape == q.shape
     assert rel_err(out, ref) < TOL[dtype]
-
-
-@pytest.mark.parametrize("prefetch_keys,num_splits,window", [(16, 3, None), (64, 1, None), (128, 2, 20)])
-def test_l2_prefetch_leaves_the_result_unchanged(prefetch_keys, num_splits, window):
-    # 16 keys: less than a split's range; 64 and 128: past the end of the split and the context
-    lens = [1, 37, 70, 16]
-    hkv, group, d, block_size = 2, 3, 32, 16
-    k, v, tables, ctx = paged_cache(lens, hkv, d, block_size, torch.float16)
-    q = torch.randn(len(lens), hkv * group, d, device=DEV).to(torch.float16)
-    s = torch.randn(hkv * group, device=DEV)
-    opts = dict(num_splits=num_splits, block_n=16)
-    plain = paged_decode_attention(q, k, v, tables, ctx, d ** -0.5, s, window, **opts)
-    out = paged_decode_attention(q, k, v, tables, ctx, d ** -0.5, s, window, l2_prefetch_keys=prefetch_keys, **opts)
-    assert torch.equal(out, plain)
-    with pytest.raises(ValueError, match="power of two"):
-        paged_decode_attention(q, k, v, tables, ctx, d ** -0.5, s, window, l2_prefetch_keys=48, **opts)
-
-
-def test_pdl_is_off_the_gpu_and_leaves_the_result_unchanged():
-    from localchat.kernels.pdl import pdl_supported
-    assert not pdl_supported(torch.device("cpu"))
-    k, v, tables, ctx = paged_cache([37, 5], 2, 32, 16, torch.float32)
-    q = torch.randn(2, 4, 32, device=DEV)
-    plain = paged_decode_attention(q, k, v, tables, ctx, 32 ** -0.5, block_n=16)
-    assert torch.equal(paged_decode_attention(q, k, v, tables, ctx, 32 ** -0.5, block_n=16, pdl=True), plain)
 
 
 def test_default_splits_fill_the_sms_without_an_extra_wave():
@@ -85,33 +60,3 @@ def test_decode_8k_gpu(name, hq, hkv, d, sinks, window, batch):
     keys = min(ctx_len, window or ctx_len)
     nbytes = 2 * batch * keys * hkv * d * 2
     print(f"\ndecode attention {name} B={batch} ctx={ctx_len}: {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("d,window", [(64, None), (64, 128), (128, None)])
-def test_l2_prefetch_8k_gpu(d, window):
-    # the prefetching split kernel computes exactly what the plain one does at the real shapes
-    k, v, tables, ctx = paged_cache([8192], 8, d, 16, torch.bfloat16)
-    q = torch.randn(1, 8 * (8 if d == 64 else 12), d, device="cuda", dtype=torch.bfloat16)
-    plain = paged_decode_attention(q, k, v, tables, ctx, d ** -0.5, None, window)
-    for keys in (64, 128, 256):
-        out = paged_decode_attention(q, k, v, tables, ctx, d ** -0.5, None, window, l2_prefetch_keys=keys)
-        assert torch.equal(out, plain)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("prefetch_keys", [0, 128])
-def test_pdl_chain_in_a_graph_gpu(prefetch_keys):
-    # each call's query is the output of the call before, so a split kernel that read q before
-    # its wait would see the previous graph replay's values; eager calls without PDL are the truth
-    k, v, tables, ctx = paged_cache([8192], 8, 64, 16, torch.bfloat16)
-    q0 = torch.randn(1, 64, 64, device="cuda", dtype=torch.bfloat16)
-    sinks = torch.randn(64, device="cuda")
-
-    def chain(q, pdl):
-        for _ in range(8):
-            q = paged_decode_attention(q, k, v, tables, ctx, 8.0, sinks, pdl=pdl, l2_prefetch_keys=prefetch_keys) * 4
-        return q
-
-    q_in = torch.empty_like(q0)
-    assert graph_replays_match(lambda: chain(q_in, True), q_in, q0, chain(q0, False))
