@@ -89,9 +89,9 @@ def main() -> None:
         us = graph_time_us([lambda f=f: torch.sum(f, dim=0, out=out) for f in floats])
         print(f"{mb:g} MB torch.sum: {us:.1f} us ({pct(nbytes, us)})", flush=True)
         dst = torch.empty_like(bufs[0])
-        us = graph_time_us([lambda b=b: dst.copy_(b) for b in bufs])
+        us = graph_time_us([lambda b=b, dst=dst: dst.copy_(b) for b in bufs])
         print(f"{mb:g} MB torch copy: {us:.1f} us (reads {pct(nbytes, us)}, writes as much again)", flush=True)
-        del bufs, floats, dst
+        del bufs, floats, dst  # free this size's buffers before the next
     for pair in [p for p in args.pairs.split(",") if p]:
         mb_a, mb_b = (float(s) for s in pair.split("+"))
         count = copies_out_of_l2((mb_a + mb_b) * 1e6)
