@@ -48,17 +48,20 @@ def describe(cfg) -> str:
     return f"{programs} programs x {warps} warps, tile {block * 4} B, {stages} stages"
 
 
-def best_read_us(bufs, sums, sms) -> tuple[float, tuple]:
-    best = (float("inf"), ())
-    n = bufs[0].numel()
-    for programs, warps, block, stages in read_configs(sms):
-        per_program = triton.cdiv(triton.cdiv(n, programs), block) * block
+def launch_read(buf, sums, cfg) -> None:
+    """One streaming read of buf with cfg = (programs, warps, tile words, stages)."""
+    programs, warps, block, stages = cfg
+    per_program = triton.cdiv(triton.cdiv(buf.numel(), programs), block) * block
+    _read_kernel[(programs,)](buf, sums, buf.numel(), per_program, BLOCK=block, STAGES=stages, num_warps=warps)
 
-        def read(buf, programs=programs, per_program=per_program, warps=warps, block=block, stages=stages):
-            _read_kernel[(programs,)](buf, sums, n, per_program, BLOCK=block, STAGES=stages, num_warps=warps)
-        us = graph_time_us([lambda b=b: read(b) for b in bufs])
+
+def best_read_us(bufs, sums, sms) -> tuple[float, tuple]:
+    """-> (us, cfg) of the fastest read configuration over the rotated buffers."""
+    best = (float("inf"), ())
+    for cfg in read_configs(sms):
+        us = graph_time_us([lambda b=b, cfg=cfg: launch_read(b, sums, cfg) for b in bufs])
         if us < best[0]:
-            best = (us, (programs, warps, block, stages))
+            best = (us, cfg)
     return best
 
 
@@ -98,15 +101,10 @@ def main() -> None:
         bufs_a, bufs_b = buffers(mb_a * 1e6, count), buffers(mb_b * 1e6, count)
         _, cfg_a = best_read_us(bufs_a, sums, sms)
         _, cfg_b = best_read_us(bufs_b, sums, sms)
-        launch = []
-        for bufs, cfg in ((bufs_a, cfg_a), (bufs_b, cfg_b)):
-            programs, warps, block, stages = cfg
-            n = bufs[0].numel()
-            launch.append((programs, warps, block, stages, n, triton.cdiv(triton.cdiv(n, programs), block) * block))
 
         def both(a, b):
-            for buf, (programs, warps, block, stages, n, per_program) in zip((a, b), launch):
-                _read_kernel[(programs,)](buf, sums, n, per_program, BLOCK=block, STAGES=stages, num_warps=warps)
+            launch_read(a, sums, cfg_a)
+            launch_read(b, sums, cfg_b)
         us = graph_time_us([lambda a=a, b=b: both(a, b) for a, b in zip(bufs_a, bufs_b)])
         nbytes = (mb_a + mb_b) * 1e6
         print(f"{pair} MB as two dependent read kernels: {us:.1f} us ({pct(nbytes, us)})", flush=True)

@@ -7,7 +7,6 @@ channel or block scales (kernels/fp8_linear.py launches those).
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
