@@ -3,7 +3,8 @@
 # with STEPS (default: the first five): kernels, model, runtime, serve, kernel-bench,
 # host (engine host-time profile), breakdown (time per MoE kernel), moe-half2 (MXFP4 packed-f16 timings),
 # attention-splits (decode attention against splits, key tile, warps and stages), floor (pure reads
-# of a decode step's bytes, bench/read_floor.py). Logs go to $OUT.
+# of a decode step's bytes, bench/read_floor.py), moe-mma (the MXFP4 tensor-core kernels' GPU tests and
+# tile sweep). Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -23,4 +24,6 @@ step moe-half2 && timeout "${HALF2_S:-150}" python3 bench/bench_moe_sweep.py --h
 step breakdown && timeout "${BREAKDOWN_S:-90}" python3 bench/moe_breakdown.py ${BREAKDOWN_ARGS:---ts 1,8 --words} 2>&1 | tee "$OUT/breakdown.log"
 step attention-splits && timeout "${ATTN_S:-300}" python3 bench/bench_attention_splits.py ${ATTN_ARGS:---batches 1,8} 2>&1 | tee "$OUT/attention_splits.log" | tail -80
 step floor && timeout "${FLOOR_S:-150}" python3 bench/read_floor.py 2>&1 | tee "$OUT/read_floor.log"
+step moe-mma && timeout "${MMA_TESTS_S:-200}" python3 -m pytest -m gpu tests/kernels/test_moe_mx_mma.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/mma_gpu.log" | tail -12
+step moe-mma && timeout "${MMA_S:-400}" python3 bench/bench_moe_sweep.py --mma-tiles "${MMA_TILES:-8:128:128:4:3,16:128:128:4:3,16:64:128:4:3,16:64:256:4:3,16:128:128:8:3,16:128:128:4:4}" --ts ${MMA_TS:-32,8,64,16,128} --only mxfp4,mxfp4_20b 2>&1 | tee "$OUT/mma.log" | grep -E "best|failed"
 exit 0

@@ -5,7 +5,10 @@ moe_align (group pairs by expert) -> moe_gate_up_kernel (gate and up GEMMs with 
 -> moe_down_kernel (down GEMM, down bias and routing weight fused) -> moe_combine_kernel.
 At decode sizes the row-streaming kernels (moe_gemv*.py) take one pair per program and skip
 moe_align; for MXFP4 experts with gpt-oss's clamped SwiGLU they run on packed f16 FMAs
-(moe_gemv_half2.py, one more small launch that scales the activations).
+(moe_gemv_half2.py, one more small launch that scales the activations). From two pairs per
+expert on, MXFP4 experts with bf16 activations run on tensor-core kernels that decode each
+expert's rows once for all its pairs (moe_mx_mma.py; the activations are first reordered by one
+copy).
 Routing (topk_weights, topk_ids) comes from kernels/moe_routing.py.
 
 Weights stay in their checkpoint format (kernels/moe_gemm.py lists the four). The expert
@@ -30,6 +33,7 @@ from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT
 from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from .moe_gemv_half2 import act_scale_exp, moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
 from .moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
+from .moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel
 
 ACTIVATIONS = {"silu_glu": ACT_SILU_GLU, "swiglu_clamped": ACT_SWIGLU_OAI}
 
@@ -75,6 +79,9 @@ class MoeConfig:
     prefetch: bool = False  # MXFP4 word decode: the next K chunk requested before the current one is used
     max_registers: int = 0  # registers per thread the compiler may use (0: its choice), for occupancy
     mx_half2: bool = False  # MXFP4 row kernels on packed f16 FMAs, one pair per program (kernels/moe_gemv_half2.py)
+    # MXFP4 tensor-core tiles decoding each expert's rows once for its block_m pairs, bf16
+    # activations (kernels/moe_mx_mma.py)
+    mx_mma: bool = False
     # dense/FP8 row kernels, one pair per program: the down kernel adds each token's rows itself
     # (the last of its pair programs per row block; no combine launch)
     fused_combine: bool = False
@@ -119,25 +126,35 @@ def gpt_oss_experts(gate_up: LinearWeight, gate_up_bias: torch.Tensor, down: Lin
 SHARED_MEMORY_BUDGET = 200 * 1024
 
 
-def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2) -> MoeConfig:
+def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2,
+                   bf16: bool = True) -> MoeConfig:
     """Tile sizes by the expected pairs per expert (uniform routing). Each choice below is the
     fastest measured at that load on an H200 (bench/bench_moe_sweep.py, bench/moe_breakdown.py,
     bench/NOTES-moe.md). The row kernels' num_stages is the depth of the compiler's software
     pipeline over K (asynchronous copies of the weight and activation chunks); one-warp programs
     gain from it, multi-warp ones lost. MXFP4: the packed-f16 row kernels with one pair per program
-    up to four pairs per expert (gpt-oss-120b to 128 tokens, gpt-oss-20b to 32), then tensor-core
-    tiles; fused_moe falls back to the word-decode kernels for experts other than gpt-oss's clamped
-    SwiGLU. FP8: pipelined row kernels up to one pair per expert (GLM-4.5V to 16 tokens; 64 rows
+    up to one pair per expert (gpt-oss-120b to 32 tokens, gpt-oss-20b to 8; fused_moe falls back to
+    the word-decode kernels for experts other than gpt-oss's clamped SwiGLU), then with bf16
+    activations the tensor-core kernels that decode each expert once for its pairs
+    (moe_mx_mma.py), more pairs per block as the pairs per expert grow; fp16 activations take the
+    dot_scaled tiles there. FP8: pipelined row kernels up to one pair per expert (GLM-4.5V to 16 tokens; 64 rows
     a program beyond half a pair; up to half a pair the down kernel sums each token's rows and
     has its own tile), then tiles (at 8 and 16 tokens the 16x64 tile measured 10-23% slower than
     the row kernels)."""
     if not on_gpu:
         return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
     per_expert = num_pairs / max(num_experts, 1)
-    if fmt == FMT_MXFP4 and per_expert <= 4:
+    if fmt == FMT_MXFP4 and per_expert <= (1 if bf16 else 4):
         if per_expert <= 0.5:
             return MoeConfig(1, 8, 256, 1, 3 if per_expert <= 0.125 else 2, gemv=True, mx_half2=True)
         return MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True)
+    if fmt == FMT_MXFP4 and bf16:
+        # (pairs per expert, tile) measured best on an H200 at 2-128 pairs per expert
+        # (bench/NOTES-moe.md, "Tensor-core MXFP4")
+        for most, tile in ((4, (8, 32, 128, 2, 3)), (8, (16, 32, 128, 2, 3)), (32, (32, 64, 128, 4, 3))):
+            if per_expert <= most:
+                return MoeConfig(*tile, mx_mma=True)
+        return MoeConfig(64, 128, 128, 4, 3, mx_mma=True)
     if fmt != FMT_MXFP4 and per_expert <= 1:
         if fmt in (FMT_FP8_ROW, FMT_FP8_BLK):
             # up to half a pair per expert (GLM-4.5V to 8 tokens) each token's rows are summed by the
@@ -227,8 +244,10 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     if t == 0:
         return out
     on_gpu = compiled_on_gpu(x.device)
-    cfg = config or default_config(t * k, e, fmt, on_gpu, x.element_size())
+    cfg = config or default_config(t * k, e, fmt, on_gpu, x.element_size(), x.dtype == torch.bfloat16)
     blk_ks = [b[1] for f, b in ((fmt, sblock), (fmt_d, sdblock)) if f == FMT_FP8_BLK]
+    if config is None and cfg.mx_mma and fmt_d != FMT_MXFP4:
+        cfg = default_config(t * k, e, fmt, on_gpu, x.element_size(), bf16=False)
     if config is None and cfg.mx_half2 and (experts.activation != "swiglu_clamped" or fmt_d != FMT_MXFP4):
         # the packed-f16 kernels bound the GLU output by the clamp; other experts decode words
         cfg = replace(cfg, mx_half2=False, mx_words=True)
@@ -256,6 +275,9 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
                          "multiple of a power-of-two block")
     num_pairs = t * k
     has_bias, bg, bu, bias_strides = _gate_up_biases(experts, x)
+    if cfg.mx_mma:
+        return _mma_experts(x, experts, topk_weights, topk_ids, cfg, not on_gpu, (wg, sg, s_strides), (wu, su),
+                            (wd, sd, sd_strides), (bg, bu, bias_strides), out)
     if cfg.mx_half2:
         return _half2_experts(x, experts, topk_weights, topk_ids, cfg, not on_gpu, (wg, sg, s_strides), (wu, su),
                               (wd, sd, sd_strides), (bg, bu, bias_strides), out)
@@ -406,6 +428,48 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
         *sd_strides, bd, bd.stride(0) if has_down_bias else 0, topk_weights.reshape(-1).to(torch.float32), y,
         y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
+    return _combine(y, topk_ids, out)
+
+
+def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 cfg: MoeConfig, interpret: bool, gate, up, down, biases, out: torch.Tensor) -> torch.Tensor:
+    """The experts on kernels/moe_mx_mma.py: activations to quarter-major order, pairs grouped by
+    expert (moe_align), gate/up with the activation, down with the routing weight, then the sum of
+    each token's rows into out [T, H]. Arguments as for _half2_experts. -> out."""
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    e, i = experts.num_experts, experts.intermediate_size
+    mx = all(isinstance(w, Mxfp4Weight) for w in (experts.gate, experts.up, experts.down))
+    if not (mx and not cfg.gemv and x.dtype == torch.bfloat16 and cfg.block_k % 32 == 0):
+        raise ValueError("mx_mma needs MXFP4 experts, bf16 activations and block_k a multiple of 32 on the tile "
+                         f"kernels (gemv=False), got {x.dtype}, block_k {cfg.block_k}, gemv={cfg.gemv}")
+    if not interpret and (cfg.block_k % 128 or cfg.block_m < 8):
+        # K steps of 64 with 4 or 8 pairs per block computed wrong sums on an H200 (Triton 3.6)
+        raise ValueError(f"mx_mma on a GPU needs block_k a multiple of 128 and block_m >= 8, got block_k "
+                         f"{cfg.block_k}, block_m {cfg.block_m}")
+    (wg, sg, s_strides), (wu, su), (wd, sd, sd_strides) = gate, up, down
+    bg, bu, bias_strides = biases
+    wg32, wu32, wd32 = wg.view(torch.int32), wu.view(torch.int32), wd.view(torch.int32)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    num_pairs = t * k
+    sorted_ids, block_expert = moe_align(topk_ids, e, cfg.block_m)
+    b_max = block_expert.numel()
+    # element k = 32 g + 8 j + 4 h + q of a row goes to q * H / 4 + 8 g + 2 j + h (quarter_order)
+    xq = x.view(t, h // 32, 4, 2, 4).permute(0, 4, 1, 2, 3).reshape(t, h)
+    act = torch.empty((num_pairs, i), dtype=x.dtype, device=x.device)
+    moe_gate_up_mma_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
+        xq, wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4, sg, su, *s_strides, bg, bu, *bias_strides,
+        act, sorted_ids, block_expert, num_pairs, i, h, k, float(experts.alpha), float(experts.limit),
+        ACT=ACTIVATIONS[experts.activation], HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
+    y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
+    has_down_bias = experts.down_bias is not None
+    bd = experts.down_bias if has_down_bias else x
+    moe_down_mma_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
+        act, wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, sd, *sd_strides, bd,
+        bd.stride(0) if has_down_bias else 0, topk_weights.reshape(-1).to(torch.float32), y, y.stride(0),
+        sorted_ids, block_expert, num_pairs, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
     return _combine(y, topk_ids, out)
 
 

@@ -114,6 +114,24 @@ def _row_scale(acc, s_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT: tl.conste
 
 
 @triton.jit
+def glu_tile(acc_g, acc_u, bg_ptr, bu_ptr, stride_be, stride_bn, e, n, n_mask, alpha, limit,
+             ACT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Gate and up tiles [BLOCK_N, BLOCK_M] (float32, rows n of expert e) -> act(gate + bias,
+    up + bias). ACT 0: silu(gate) * up; 1: gpt-oss clamped SwiGLU."""
+    if HAS_BIAS:
+        b_off = e.to(tl.int64) * stride_be + n * stride_bn
+        acc_g += tl.load(bg_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        acc_u += tl.load(bu_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    if ACT == 0:
+        return acc_g * tl.sigmoid(acc_g) * acc_u
+    else:
+        # gpt-oss clamped SwiGLU (models.md C.4): gate clamped from above only, `up + 1`
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        return g * tl.sigmoid(alpha * g) * (u + 1.0)
+
+
+@triton.jit
 def moe_gate_up_kernel(
         x_ptr, stride_xt,
         wg_ptr, wu_ptr, stride_we, stride_wn,
@@ -147,17 +165,7 @@ def moe_gate_up_kernel(
                             FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT)
     acc_g = _row_scale(acc_g, sg_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
     acc_u = _row_scale(acc_u, su_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
-    if HAS_BIAS:
-        b_off = e.to(tl.int64) * stride_be + n * stride_bn
-        acc_g += tl.load(bg_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        acc_u += tl.load(bu_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    if ACT == 0:
-        h = acc_g * tl.sigmoid(acc_g) * acc_u
-    else:
-        # gpt-oss clamped SwiGLU (models.md C.4): gate clamped from above only, `up + 1`
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = g * tl.sigmoid(alpha * g) * (u + 1.0)
+    h = glu_tile(acc_g, acc_u, bg_ptr, bu_ptr, stride_be, stride_bn, e, n, n_mask, alpha, limit, ACT, HAS_BIAS)
     out_ptrs = out_ptr + pairs[None, :].to(tl.int64) * stride_ot + n[:, None]
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[None, :] & n_mask[:, None])
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_gemm import _row_scale, token_rows_sum
+from .moe_gemm import _row_scale, glu_tile, token_rows_sum
 from .row_gemv import slab_dot, weight_slab
 
 
@@ -135,16 +135,7 @@ def moe_gate_up_gemv_kernel(
 def _glu_store(acc_g, acc_u, bg_ptr, bu_ptr, stride_be, stride_bn, out_ptr, stride_ot, e, n, n_mask, pairs, valid,
                alpha, limit, ACT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Biases, the GLU activation and the store of a [BLOCK_N, BLOCK_M] gate/up tile."""
-    if HAS_BIAS:
-        b_off = e.to(tl.int64) * stride_be + n * stride_bn
-        acc_g += tl.load(bg_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        acc_u += tl.load(bu_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    if ACT == 0:
-        h = acc_g * tl.sigmoid(acc_g) * acc_u
-    else:
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = g * tl.sigmoid(alpha * g) * (u + 1.0)
+    h = glu_tile(acc_g, acc_u, bg_ptr, bu_ptr, stride_be, stride_bn, e, n, n_mask, alpha, limit, ACT, HAS_BIAS)
     out_ptrs = out_ptr + pairs[None, :].to(tl.int64) * stride_ot + n[:, None]
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[None, :] & n_mask[:, None])
 

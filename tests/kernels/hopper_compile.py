@@ -12,6 +12,7 @@ from localchat.kernels.moe_gemm import moe_combine_kernel, moe_down_kernel, moe_
 from localchat.kernels.moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
 from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
+from localchat.kernels.moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel
 from localchat.kernels.row_gemv import row_gemv_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -55,6 +56,10 @@ TILE_FP8 = _types({"x_ptr": "*bf16", "a_ptr": "*bf16", "wg_ptr": "*fp8e4nv", "wu
 TILE_MX = _types({**{n: TILE_FP8(n) for n in ("x_ptr", "bg_ptr", "bu_ptr", "out_ptr", "sorted_ids_ptr",
                                               "block_expert_ptr", "alpha", "limit")},
                   "wg_ptr": "*u8", "wu_ptr": "*u8", "sg_ptr": "*u8", "su_ptr": "*u8"})
+MMA = _types({"xq_ptr": "*bf16", "aq_ptr": "*bf16", "wg_ptr": "*i32", "wu_ptr": "*i32", "w_ptr": "*i32",
+              "sg_ptr": "*u8", "su_ptr": "*u8", "s_ptr": "*u8", "bg_ptr": "*bf16", "bu_ptr": "*bf16", "b_ptr": "*bf16",
+              "out_ptr": "*bf16", "y_ptr": "*fp32", "pair_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
+              "block_expert_ptr": "*i32", "alpha": "fp32", "limit": "fp32"})
 
 CASES = []
 for prefetch in (False, True):
@@ -84,6 +89,11 @@ CASES += [
     ("MXFP4 gate/up tile 16x128x128 (dot_scaled)", moe_gate_up_kernel, TILE_MX,
      dict(FORMAT=3, MX_DOT_SCALED=True, SBN=1, SBK=32, X_FMT="bf16", ACT=1, HAS_BIAS=True, BLOCK_M=16,
           BLOCK_N=128, BLOCK_K=128), 4, 3),
+    # the MXFP4 tensor-core kernels: one warp (mma.sync) and one warpgroup (wgmma) tiles
+    ("MXFP4 gate/up mma 8x32x128 w2", moe_gate_up_mma_kernel, MMA,
+     dict(ACT=1, HAS_BIAS=True, INTERPRET=False, BLOCK_M=8, BLOCK_N=32, BLOCK_K=128, STAGES=3), 2, 3),
+    ("MXFP4 down mma 64x128x128 w4", moe_down_mma_kernel, MMA,
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, STAGES=3), 4, 3),
     ("dense row GEMV", row_gemv_kernel,
      _types({"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
      dict(FORMAT=0, SBN=1, SBK=1, HAS_BIAS=True, M_PAD=1, BLOCK_N=4, BLOCK_K=256, STAGES=3), 4, 3),

@@ -121,7 +121,7 @@ def test_glm45v_moe_gpu(fmt, t):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("e", [32, 128])
-@pytest.mark.parametrize("t", [1, 32])
+@pytest.mark.parametrize("t", [1, 32, 64, 256, 1024])  # row kernels, then the tensor-core tiles of each bracket
 def test_gpt_oss_moe_gpu(e, t):
     k, h, i = 4, 2880, 2880
     experts = random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda")
