@@ -2,7 +2,7 @@
 same bytes can reach, at the sizes of the step rather than at the gigabytes the copy ceiling was
 measured with.
 
-    python bench/read_floor.py [--mb 16.8,33.6,52.9,138] [--pairs 35.3+17.6]
+    python bench/read_floor.py [--mb 16.8,33.6,52.9,138] [--pairs 35.3+17.6] [--wide]
 
 For each size: a streaming-read kernel (each program sums a contiguous slice, loads software-
 pipelined; the best of a sweep over programs, warps, tile and stages), torch's float32 sum and
@@ -39,7 +39,9 @@ def _read_kernel(src_ptr, sums_ptr, n, per_program, BLOCK: tl.constexpr, STAGES:
     tl.store(sums_ptr + p, tl.sum(acc))
 
 
-def read_configs(sms: int):
+def read_configs(sms: int, wide: bool = False):
+    if wide:  # more and smaller programs, a middle tile
+        return itertools.product((4 * sms, 8 * sms, 16 * sms, 32 * sms), (4, 8), (1024, 2048, 4096), (2, 3, 4))
     return itertools.product((sms, 2 * sms, 4 * sms, 8 * sms, 16 * sms), (4, 8), (1024, 4096), (2, 3, 4))
 
 
@@ -55,10 +57,10 @@ def launch_read(buf, sums, cfg) -> None:
     _read_kernel[(programs,)](buf, sums, buf.numel(), per_program, BLOCK=block, STAGES=stages, num_warps=warps)
 
 
-def best_read_us(bufs, sums, sms) -> tuple[float, tuple]:
+def best_read_us(bufs, sums, sms, wide: bool = False) -> tuple[float, tuple]:
     """-> (us, cfg) of the fastest read configuration over the rotated buffers."""
     best = (float("inf"), ())
-    for cfg in read_configs(sms):
+    for cfg in read_configs(sms, wide):
         us = graph_time_us([lambda b=b, cfg=cfg: launch_read(b, sums, cfg) for b in bufs])
         if us < best[0]:
             best = (us, cfg)
@@ -78,13 +80,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", default="16.8,33.6,52.9,138", help="sizes in MB (10^6 bytes), one kernel each")
     parser.add_argument("--pairs", default="35.3+17.6", help="A+B: two dependent reads of A and B MB")
+    parser.add_argument("--wide", action="store_true", help="sweep up to 32 programs per SM and a 8 KB tile")
     args = parser.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    sums = torch.zeros(16 * sms, device="cuda", dtype=torch.int32)
+    sums = torch.zeros(32 * sms, device="cuda", dtype=torch.int32)
     for mb in [float(s) for s in args.mb.split(",") if s]:
         nbytes = mb * 1e6
         bufs = buffers(nbytes, copies_out_of_l2(nbytes))
-        us, cfg = best_read_us(bufs, sums, sms)
+        us, cfg = best_read_us(bufs, sums, sms, args.wide)
         print(f"{mb:g} MB read kernel: {us:.1f} us ({pct(nbytes, us)}); floor at copy speed "
               f"{nbytes / COPY_CEILING_GBS / 1e3:.1f} us; best: {describe(cfg)}", flush=True)
         floats = [b.view(torch.float32) for b in bufs]
@@ -99,8 +102,8 @@ def main() -> None:
         mb_a, mb_b = (float(s) for s in pair.split("+"))
         count = copies_out_of_l2((mb_a + mb_b) * 1e6)
         bufs_a, bufs_b = buffers(mb_a * 1e6, count), buffers(mb_b * 1e6, count)
-        _, cfg_a = best_read_us(bufs_a, sums, sms)
-        _, cfg_b = best_read_us(bufs_b, sums, sms)
+        _, cfg_a = best_read_us(bufs_a, sums, sms, args.wide)
+        _, cfg_b = best_read_us(bufs_b, sums, sms, args.wide)
 
         def both(a, b):
             launch_read(a, sums, cfg_a)
