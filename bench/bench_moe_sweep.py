@@ -75,7 +75,7 @@ HALF2_CANDIDATES = [(8, 256, 1, 3), (16, 256, 2, 3), (32, 256, 4, 3), (16, 512, 
                     (32, 512, 8, 3)]
 
 # (block_m, block_n, block_k, num_warps, num_stages) of the MXFP4 tensor-core tiles (--mma-tiles)
-MMA_CANDIDATES: list[tuple[int, int, int, int, int]] = []
+MMA_CANDIDATES: list[tuple[int, ...]] = []  # optionally (+ down n, k, warps, stages)
 
 
 def make_case(fmt, e, h, i):
@@ -184,8 +184,8 @@ def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile, candidates=True, tile
         for bn, bk, nw, ns in HALF2_CANDIDATES if half2 and fmt == "mxfp4" else []:
             cfg = MoeConfig(1, bn, bk, nw, ns, gemv=True, mx_half2=True)
             cands.append((_label(cfg) + f" s{ns}", cfg))
-        for bm, bn, bk, nw, ns in MMA_CANDIDATES if fmt == "mxfp4" else []:
-            cfg = MoeConfig(bm, bn, bk, nw, ns, mx_mma=True)
+        for bm, bn, bk, nw, ns, *down in MMA_CANDIDATES if fmt == "mxfp4" else []:
+            cfg = MoeConfig(bm, bn, bk, nw, ns, mx_mma=True, down_tile=tuple(down) or None)
             cands.append((_label(cfg), cfg))
         for bm, bn, bk, nw, ns in STAGED_ROW_CANDIDATES[fmt] if tiles else []:
             cfg = MoeConfig(bm, bn, bk, nw, ns, gemv=True, mx_words=fmt == "mxfp4" and bk <= 256)
@@ -223,6 +223,8 @@ def _flush(rows):
 def _label(cfg):
     if not cfg.gemv:
         decode = " mma" if cfg.mx_mma else "" if cfg.mx_dot_scaled else " bit-decode"
+        if cfg.down_tile:
+            decode += " down n{}k{}w{}s{}".format(*cfg.down_tile)
         return f"tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{decode}"
     kind = ("half2" if cfg.mx_half2 else "words" if cfg.mx_words else "gemv") + (" pf" if cfg.prefetch else "")
     regs = f" r{cfg.max_registers}" if cfg.max_registers else ""
@@ -239,14 +241,16 @@ def main():
     parser.add_argument("--half2-tiles", default="", help="with --half2: these tiles instead of HALF2_CANDIDATES, "
                         "n:k:warps:stages,..., e.g. 8:256:1:3,16:256:1:2")
     parser.add_argument("--mma-tiles", default="", help="MXFP4 tensor-core tiles of kernels/moe_mx_mma.py "
-                        "instead of the row candidates, m:n:k:warps:stages,..., e.g. 16:128:128:4:3")
+                        "instead of the row candidates, m:n:k:warps:stages[/n:k:warps:stages of down],..., "
+                        "e.g. 16:128:128:4:3,8:16:128:1:3/32:128:1:3")
     parser.add_argument("--tiles", action="store_true", help="sweep tensor-core tiles (TILE_CANDIDATES) "
                         "instead of the row-kernel candidates")
     args = parser.parse_args()
     torch.manual_seed(0)
     ts = [int(v) for v in args.ts.split(",")]
     if args.mma_tiles:
-        MMA_CANDIDATES[:] = [tuple(int(v) for v in spec.split(":")) for spec in args.mma_tiles.split(",")]
+        MMA_CANDIDATES[:] = [tuple(int(v) for v in spec.replace("/", ":").split(":"))
+                             for spec in args.mma_tiles.split(",")]
     if args.half2_tiles:
         HALF2_CANDIDATES[:] = [tuple(int(v) for v in spec.split(":")) for spec in args.half2_tiles.split(",")]
     dev = torch.cuda.get_device_properties(0)

@@ -3,7 +3,8 @@
     ncu --clock-control none --profile-from-start off --set full python bench/ncu_moe_step.py mxfp4 1 [n:k:w:s]
 
 Cases as in bench/bench_moe_sweep.py (mxfp4, mxfp4_20b, fp8_channel, fp8_block); the default
-config for that size, or the row-kernel tile n:k:warps:stages (packed-f16 for MXFP4). The call runs twice before the profiled one (compilation, warm-up).
+config for that size, the row-kernel tile n:k:warps:stages (packed-f16 for MXFP4), or
+mma:m:n:k:warps:stages, a tile of the MXFP4 tensor-core kernels. The call runs twice before the profiled one (compilation, warm-up).
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def main() -> None:
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     w, ids = random_routings("mxfp4" if key.startswith("mxfp4") else key, t, e, k)[0]
     cfg = None
-    if len(sys.argv) > 3:
+    if len(sys.argv) > 3 and sys.argv[3].startswith("mma:"):
+        cfg = MoeConfig(*(int(v) for v in sys.argv[3].split(":")[1:]), mx_mma=True)
+    elif len(sys.argv) > 3:
         bn, bk, nw, ns = (int(v) for v in sys.argv[3].split(":"))
         cfg = MoeConfig(1, bn, bk, nw, ns, gemv=True, mx_half2=key.startswith("mxfp4"))
     for _ in range(2):

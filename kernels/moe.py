@@ -85,8 +85,9 @@ class MoeConfig:
     # dense/FP8 row kernels, one pair per program: the down kernel adds each token's rows itself
     # (the last of its pair programs per row block; no combine launch)
     fused_combine: bool = False
-    # dense/FP8 row kernels: (block_n, block_k, num_warps, num_stages) of the down GEMV, whose
-    # shape differs from gate/up's (GLM-4.5V: 4096 rows of 1408 against 2 x 1408 rows of 4096)
+    # dense/FP8 row kernels and mx_mma: (block_n, block_k, num_warps, num_stages) of the down
+    # GEMM, whose shape differs from gate/up's (GLM-4.5V: 4096 rows of 1408 against 2 x 1408
+    # rows of 4096; gpt-oss: one matrix against two)
     down_tile: tuple[int, int, int, int] | None = None
 
 
@@ -151,7 +152,9 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
     if fmt == FMT_MXFP4 and bf16:
         # (pairs per expert, tile) measured best on an H200 at 2-128 pairs per expert
         # (bench/NOTES-moe.md, "Tensor-core MXFP4")
-        for most, tile in ((4, (8, 32, 128, 2, 3)), (8, (16, 32, 128, 2, 3)), (32, (32, 64, 128, 4, 3))):
+        if per_expert <= 4:  # one-warp gate/up programs, a four-warp down tile
+            return MoeConfig(8, 16, 128, 1, 3, mx_mma=True, down_tile=(128, 128, 4, 3))
+        for most, tile in ((8, (16, 32, 128, 2, 3)), (32, (32, 64, 128, 4, 3))):
             if per_expert <= most:
                 return MoeConfig(*tile, mx_mma=True)
         return MoeConfig(64, 128, 128, 4, 3, mx_mma=True)
@@ -267,9 +270,10 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         raise ValueError(f"the MXFP4 row-streaming kernels need block_k a multiple of 32, got {cfg.block_k}")
     if cfg.gemv and cfg.mx_words and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_m > 4:
         raise ValueError(f"the MXFP4 word-decode kernels take at most 4 pairs per program, got block_m {cfg.block_m}")
-    if (cfg.fused_combine or cfg.down_tile) and not (cfg.gemv and cfg.block_m == 1 and fmt_d != FMT_MXFP4):
-        raise ValueError("fused_combine and down_tile need the dense or FP8 row kernels with one pair per program "
-                         "(gemv=True, block_m=1)")
+    row_kernels = cfg.gemv and cfg.block_m == 1 and fmt_d != FMT_MXFP4
+    if (cfg.fused_combine and not row_kernels) or (cfg.down_tile and not (row_kernels or cfg.mx_mma)):
+        raise ValueError("fused_combine needs the dense or FP8 row kernels with one pair per program (gemv=True, "
+                         "block_m=1); down_tile those or the MXFP4 tensor-core kernels (mx_mma)")
     if down_blk_k and not _fp8_block_k_fits(cfg.down_tile[1], cfg.gemv, down_blk_k):
         raise ValueError(f"down_tile block_k {cfg.down_tile[1]} must divide the FP8 scale block {sdblock} or be a "
                          "multiple of a power-of-two block")
@@ -443,10 +447,12 @@ def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tenso
     if not (mx and not cfg.gemv and x.dtype == torch.bfloat16 and cfg.block_k % 32 == 0):
         raise ValueError("mx_mma needs MXFP4 experts, bf16 activations and block_k a multiple of 32 on the tile "
                          f"kernels (gemv=False), got {x.dtype}, block_k {cfg.block_k}, gemv={cfg.gemv}")
-    if not interpret and (cfg.block_k % 128 or cfg.block_m < 8):
+    down_n, down_k, down_warps, down_stages = cfg.down_tile or (cfg.block_n, cfg.block_k, cfg.num_warps,
+                                                                cfg.num_stages)
+    if not interpret and (cfg.block_k % 128 or down_k % 128 or cfg.block_m < 8):
         # K steps of 64 with 4 or 8 pairs per block computed wrong sums on an H200 (Triton 3.6)
         raise ValueError(f"mx_mma on a GPU needs block_k a multiple of 128 and block_m >= 8, got block_k "
-                         f"{cfg.block_k}, block_m {cfg.block_m}")
+                         f"{cfg.block_k} (down {down_k}), block_m {cfg.block_m}")
     (wg, sg, s_strides), (wu, su), (wd, sd, sd_strides) = gate, up, down
     bg, bu, bias_strides = biases
     wg32, wu32, wd32 = wg.view(torch.int32), wu.view(torch.int32), wd.view(torch.int32)
@@ -465,11 +471,12 @@ def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tenso
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias = experts.down_bias is not None
     bd = experts.down_bias if has_down_bias else x
-    moe_down_mma_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
+    moe_down_mma_kernel[(b_max, triton.cdiv(h, down_n))](
         act, wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, sd, *sd_strides, bd,
         bd.stride(0) if has_down_bias else 0, topk_weights.reshape(-1).to(torch.float32), y, y.stride(0),
         sorted_ids, block_expert, num_pairs, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
+        BLOCK_M=cfg.block_m, BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages, num_warps=down_warps,
+        num_stages=down_stages)
     return _combine(y, topk_ids, out)
 
 

@@ -27,12 +27,13 @@ def _check_rows(out, ref):
         assert rel_err(out[row], ref[row]) < BF16_TOL, row
 
 
-@pytest.mark.parametrize("block_m,block_n,block_k", [(4, 32, 64), (2, 16, 128)])
-def test_gpt_oss_mxfp4_mma(block_m, block_n, block_k):
+@pytest.mark.parametrize("block_m,block_n,block_k,down_tile", [(4, 32, 64, None), (2, 16, 128, (32, 32, 1, 1))])
+def test_gpt_oss_mxfp4_mma(block_m, block_n, block_k, down_tile):
     # H=96 / I=160: partial K chunks (three and five 32-value groups) and a partial row block;
     # 6 experts for 10 pairs: some share an expert, some experts get none, one pair is dropped
     experts, x, w, ids = _case(5, 6, 2, 96, 160)
-    out = fused_moe(x, experts, w, ids, config=MoeConfig(block_m, block_n, block_k, 1, 1, mx_mma=True))
+    cfg = MoeConfig(block_m, block_n, block_k, 1, 1, mx_mma=True, down_tile=down_tile)
+    out = fused_moe(x, experts, w, ids, config=cfg)
     _check_rows(out, fused_moe_ref(x, experts, w, ids))
 
 
@@ -57,7 +58,7 @@ def test_defaults_take_the_tensor_core_kernels_above_one_pair_per_expert():
     from localchat.kernels.moe import FMT_MXFP4, default_config
     assert default_config(32 * 4, 128, FMT_MXFP4, on_gpu=True).mx_half2  # one pair per expert
     cfg = default_config(64 * 4, 128, FMT_MXFP4, on_gpu=True)
-    assert cfg.mx_mma and (cfg.block_m, cfg.block_k) == (8, 128)
+    assert cfg.mx_mma and (cfg.block_m, cfg.block_k, cfg.down_tile) == (8, 128, (128, 128, 4, 3))
     assert default_config(1024 * 4, 32, FMT_MXFP4, on_gpu=True).block_m == 64
     # fp16 activations: the row kernels up to four pairs per expert, then the dot_scaled tiles
     assert default_config(64 * 4, 128, FMT_MXFP4, on_gpu=True, bf16=False).mx_half2
@@ -73,7 +74,8 @@ def test_mma_small_shapes_gpu(codes, scales):
     # +-0 / +-0.5 codes only: 0.5 is a bf16 subnormal before its scale multiply, so a flush to
     # zero there would zero the result
     experts, x, w, ids = _case(5, 6, 2, 96, 160, scales=scales, codes=codes)
-    for cfg in (MoeConfig(8, 16, 128, 1, 3, mx_mma=True), MoeConfig(8, 32, 128, 2, 2, mx_mma=True),
+    for cfg in (MoeConfig(8, 16, 128, 1, 3, mx_mma=True, down_tile=(32, 128, 1, 3)),
+                MoeConfig(8, 32, 128, 2, 2, mx_mma=True),
                 MoeConfig(16, 128, 128, 4, 3, mx_mma=True), MoeConfig(64, 128, 128, 8, 3, mx_mma=True)):
         ref = fused_moe_ref(x, experts, w, ids)
         assert ref.abs().max() > 0
