@@ -1,18 +1,20 @@
 """MXFP4 MoE GEMMs on Hopper tensor cores: each expert's weights decoded once for all of its pairs.
 
-The row kernels (moe_gemv_half2.py) decode every weight once per (token, expert) pair. From about
-one pair per touched expert on, decoding each expert's rows once and multiplying them against all
-of its pairs on the tensor cores does less work per byte. Programs take BLOCK_M pairs of one
+The row kernels (moe_gemv_half2.py) decode every weight once per (token, expert) pair. From two
+pairs per expert on (on average over all experts), decoding each expert's rows once and
+multiplying them against all of its pairs on the tensor cores is faster (bench/NOTES-moe.md,
+"Tensor-core MXFP4"; at one pair per expert the two are even). Programs take BLOCK_M pairs of one
 expert (grouped by moe_align) and BLOCK_N output rows, and compute out^T [BLOCK_N, BLOCK_M] =
 W [BLOCK_N, K] @ X^T [K, BLOCK_M], the decoded weights being the register operand of the MMA.
 
 Decode (per int32 word of 8 codes, code i in bits 4i..4i+3): four bf16x2 registers r_i holding
 codes i and i + 4 (i = 0..3); the E2M1 bits e1 e0 m go to bf16 bits 8..6 and the sign to bit 15,
-so each half reads as the code's value times 2^-126 (code 0.5 is a bf16 subnormal), about 4
-integer operations per register. One packed multiply (mul.rn.bf16x2) by 2^(s - 65), built from
-the E8M0 scale s, makes it value * 2^(s - 127) * 2^-64 exactly; the accumulator is multiplied by
-2^64 once at the end. Exact for scales 66..192 (2^-61..2^65; checkpoints use scales near 127;
-below 66 the smallest codes lose bits to bf16 subnormals, above 192 they overflow).
+so each half reads as the code's value times 2^-126 (code 0.5 is a bf16 subnormal, which the
+multiply below keeps: tested on the H200), about 4 integer operations per register. One packed
+multiply (mul.rn.bf16x2) by 2^(s - 65), built from the E8M0 scale s, makes it value * 2^(s - 127)
+* 2^-64 exactly; the accumulator is multiplied by 2^64 once at the end. Exact and tested for
+scales 66..192 (2^-61..2^65; checkpoints use scales near 127); above 192 the multiplier
+overflows, below 66 the smallest products are bf16 subnormals (untested).
 
 Activation order: register r_i pairs codes (i, i + 4) of every word, so one dot per i takes the
 activations at k = 32 g + 8 j + 4 h + i (group g, word j, half h) as its K column 8 g + 2 j + h.
