@@ -25,5 +25,5 @@ step breakdown && timeout "${BREAKDOWN_S:-90}" python3 bench/moe_breakdown.py ${
 step attention-splits && timeout "${ATTN_S:-300}" python3 bench/bench_attention_splits.py ${ATTN_ARGS:---batches 1,8} 2>&1 | tee "$OUT/attention_splits.log" | tail -80
 step floor && timeout "${FLOOR_S:-150}" python3 bench/read_floor.py 2>&1 | tee "$OUT/read_floor.log"
 step moe-mma && timeout "${MMA_TESTS_S:-200}" python3 -m pytest -m gpu tests/kernels/test_moe_mx_mma.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/mma_gpu.log" | tail -12
-step moe-mma && timeout "${MMA_S:-400}" python3 bench/bench_moe_sweep.py --mma-tiles "${MMA_TILES:-8:128:128:4:3,16:128:128:4:3,16:64:128:4:3,16:64:256:4:3,16:128:128:8:3,16:128:128:4:4}" --ts ${MMA_TS:-32,8,64,16,128} --only mxfp4,mxfp4_20b 2>&1 | tee "$OUT/mma.log" | grep -E "best|failed"
+step moe-mma && timeout "${MMA_S:-400}" python3 bench/bench_moe_sweep.py --mma-tiles "${MMA_TILES:-8:16:128:1:3/128:128:4:3,8:16:128:1:3/64:128:2:3,8:32:128:2:3,16:32:128:2:3,32:64:128:4:3,64:128:128:4:3}" --ts ${MMA_TS:-32,8,64,16,128} --only mxfp4,mxfp4_20b 2>&1 | tee "$OUT/mma.log" | grep -E "best|failed"
 exit 0

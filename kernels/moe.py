@@ -461,7 +461,7 @@ def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tenso
     sorted_ids, block_expert = moe_align(topk_ids, e, cfg.block_m)
     b_max = block_expert.numel()
     # element k = 32 g + 8 j + 4 h + q of a row goes to q * H / 4 + 8 g + 2 j + h (quarter_order)
-    xq = x.view(t, h // 32, 4, 2, 4).permute(0, 4, 1, 2, 3).reshape(t, h)
+    xq = x.reshape(t, h // 32, 4, 2, 4).permute(0, 4, 1, 2, 3).reshape(t, h)
     act = torch.empty((num_pairs, i), dtype=x.dtype, device=x.device)
     moe_gate_up_mma_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
         xq, wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4, sg, su, *s_strides, bg, bu, *bias_strides,

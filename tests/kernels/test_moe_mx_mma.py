@@ -37,6 +37,15 @@ def test_gpt_oss_mxfp4_mma(block_m, block_n, block_k, down_tile):
     _check_rows(out, fused_moe_ref(x, experts, w, ids))
 
 
+def test_mma_takes_rows_of_a_wider_buffer():
+    # x as a view of every other column block of a wider tensor: rows are not contiguous
+    experts, x, w, ids = _case(3, 4, 2, 64, 64, drop=False)
+    wide = torch.zeros(3, 128, dtype=x.dtype, device=DEV)
+    wide[:, :64] = x
+    cfg = MoeConfig(4, 32, 64, 1, 1, mx_mma=True)
+    assert torch.equal(fused_moe(wide[:, :64], experts, w, ids, config=cfg), fused_moe(x, experts, w, ids, config=cfg))
+
+
 def test_quarter_order_is_the_launcher_permutation():
     h = 96
     x = torch.arange(2 * h, dtype=torch.float32).view(2, h)
