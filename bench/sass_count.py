@@ -1,8 +1,9 @@
-"""Instructions per weight value in the main loop of the MXFP4 word-decode MoE kernels, offline:
-compiles for sm_90 with Triton's bundled ptxas (no GPU needed), disassembles with its cuobjdump,
-finds the longest backward-branch loop and divides its instruction count by the weight values
-one thread handles per trip. At 32 tokens gpt-oss-120b's MoE runs at the issue limit
-(bench/NOTES-moe.md), so this count predicts its time there.
+"""Instructions per weight value in the main loop of the MXFP4 MoE kernels (word decode, packed
+f16, tensor-core tiles), offline: compiles for sm_90 with Triton's bundled ptxas (no GPU needed),
+disassembles with its cuobjdump, finds the longest backward-branch loop and divides its
+instruction count by the weight values one thread handles per trip (a tensor-core tile's values
+serve all of its pairs). At 32 tokens gpt-oss-120b's MoE is bound by instruction issue
+(bench/NOTES-moe.md), so this count is what its time follows there.
 
     python bench/sass_count.py            (with TRITON_INTERPRET unset)
 """
@@ -16,10 +17,11 @@ from collections import Counter
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from hopper_compile import HALF2, HALF2_DOWN, WORDS, WORDS_DOWN, compile_kernel  # noqa: E402
+from hopper_compile import HALF2, HALF2_DOWN, MMA, WORDS, WORDS_DOWN, compile_kernel  # noqa: E402
 
 from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel  # noqa: E402
 from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel  # noqa: E402
+from localchat.kernels.moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -65,7 +67,12 @@ CASES = [  # name, kernel, types, constexprs, warps, stages, weight values per p
        dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=bn, BLOCK_K=bk, STAGES=3), w, 3, mats * bn * bk)
       for kind, fn, types, mats in (("gate/up", moe_gate_up_half2_kernel, HALF2, 2),
                                     ("down", moe_down_half2_kernel, HALF2_DOWN, 1))
-      for bn, bk, w in ((8, 256, 1), (16, 256, 1))]
+      for bn, bk, w in ((8, 256, 1), (16, 256, 1))] + [
+    # tensor-core tiles (moe_mx_mma.py): per program and trip, one code decode for all BLOCK_M pairs
+    (f"{kind} mma {bm}x{bn}x{bk} w{w}", fn, MMA,
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=3, **extra), w, 3, mats * bn * bk)
+    for kind, fn, mats, extra in (("gate/up", moe_gate_up_mma_kernel, 2, dict(ACT=1)), ("down", moe_down_mma_kernel, 1, {}))
+    for bm, bn, bk, w in ((8, 16, 128, 1), (8, 32, 128, 1), (8, 64, 128, 4), (16, 128, 128, 4))]
 
 if __name__ == "__main__":
     for name, fn, types, constexprs, warps, stages, values in CASES:

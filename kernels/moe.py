@@ -11,16 +11,14 @@ expert's rows once for all its pairs (moe_mx_mma.py; the activations are first r
 copy).
 Routing (topk_weights, topk_ids) comes from kernels/moe_routing.py.
 
-Weights stay in their checkpoint format (kernels/moe_gemm.py lists the four). The expert
-stacks are described once at load time by an `MoeExperts` record: gate and up may be two
-stacks (GLM checkpoints store one tensor per expert; the loader stacks them) or views of one
-fused [E, 2I, H] tensor, concatenated (transformers' GLM layout) or row-interleaved (gpt-oss);
-`split_gate_up` makes those views without copying.
+Weights stay in their checkpoint format (kernels/moe_gemm.py lists the four). The expert stacks
+(`MoeExperts`), the launch configuration (`MoeConfig`) and its defaults are in moe_config.py; they
+are imported here too, as callers of fused_moe need them.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
@@ -28,6 +26,7 @@ import triton
 from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight
 from .gpu_facts import compiled_on_gpu
 from .moe_align import moe_align
+from .moe_config import MoeConfig, MoeExperts, default_config, gpt_oss_experts, split_gate_up  # noqa: F401
 from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4,
                        moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
 from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
@@ -36,159 +35,6 @@ from .moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
 from .moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel
 
 ACTIVATIONS = {"silu_glu": ACT_SILU_GLU, "swiglu_clamped": ACT_SWIGLU_OAI}
-
-
-@dataclass(frozen=True)
-class MoeExperts:
-    """gate, up: [E, I, H]; down: [E, H, I]; biases [E, I] / [E, H] or None.
-    activation: "silu_glu" (GLM: silu(g) * u) or "swiglu_clamped" (gpt-oss, alpha/limit)."""
-
-    gate: LinearWeight
-    up: LinearWeight
-    down: LinearWeight
-    gate_bias: torch.Tensor | None = None
-    up_bias: torch.Tensor | None = None
-    down_bias: torch.Tensor | None = None
-    activation: str = "silu_glu"
-    alpha: float = 1.702
-    limit: float = 7.0
-
-    @property
-    def num_experts(self) -> int:
-        return self.gate.shape[0]
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.gate.shape[-2]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.gate.shape[-1]
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
-    mx_dot_scaled: bool = True  # MXFP4 through tl.dot_scaled, else the in-kernel bit decode
-    gemv: bool = False  # row-streaming kernels for decode sizes; block_m=1 also skips moe_align
-    mx_words: bool = False  # MXFP4 row streaming: decode int32 words of 8 codes (kernels/moe_gemv_words.py)
-    prefetch: bool = False  # MXFP4 word decode: the next K chunk requested before the current one is used
-    max_registers: int = 0  # registers per thread the compiler may use (0: its choice), for occupancy
-    mx_half2: bool = False  # MXFP4 row kernels on packed f16 FMAs, one pair per program (kernels/moe_gemv_half2.py)
-    # MXFP4 tensor-core tiles decoding each expert's rows once for its block_m pairs, bf16
-    # activations (kernels/moe_mx_mma.py)
-    mx_mma: bool = False
-    # dense/FP8 row kernels, one pair per program: the down kernel adds each token's rows itself
-    # (the last of its pair programs per row block; no combine launch)
-    fused_combine: bool = False
-    # dense/FP8 row kernels and mx_mma: (block_n, block_k, num_warps, num_stages) of the down
-    # GEMM, whose shape differs from gate/up's (GLM-4.5V: 4096 rows of 1408 against 2 x 1408
-    # rows of 4096; gpt-oss: one matrix against two)
-    down_tile: tuple[int, int, int, int] | None = None
-
-
-def _rows(w: LinearWeight, rows: slice) -> LinearWeight:
-    if isinstance(w, DenseWeight):
-        return DenseWeight(w.weight[:, rows])
-    if isinstance(w, Mxfp4Weight):
-        return Mxfp4Weight(w.blocks[:, rows], w.scales[:, rows])
-    if w.block is not None:
-        bn = w.block[0]
-        if rows.step not in (None, 1) or rows.start % bn:
-            raise ValueError(f"block-scaled FP8 gate/up rows can only be split on {bn}-row block "
-                             "boundaries; pass gate and up as two stacks instead")
-        stop = None if rows.stop is None else triton.cdiv(rows.stop, bn)
-        return Fp8Weight(w.weight[:, rows], w.scale[:, rows.start // bn: stop], w.block)
-    scale = w.scale if w.scale.shape[-2] == 1 else w.scale[:, rows]
-    return Fp8Weight(w.weight[:, rows], scale, None)
-
-
-def split_gate_up(gate_up: LinearWeight, interleaved: bool) -> tuple[LinearWeight, LinearWeight]:
-    """[E, 2I, H] -> (gate, up) views. interleaved: even rows gate, odd rows up (gpt-oss,
-    models.md C.3); else gate rows first, then up rows (transformers' fused GLM layout)."""
-    two_i = gate_up.shape[-2]
-    if interleaved:
-        return _rows(gate_up, slice(0, None, 2)), _rows(gate_up, slice(1, None, 2))
-    return _rows(gate_up, slice(0, two_i // 2)), _rows(gate_up, slice(two_i // 2, None))
-
-
-def gpt_oss_experts(gate_up: LinearWeight, gate_up_bias: torch.Tensor, down: LinearWeight,
-                    down_bias: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> MoeExperts:
-    """gate_up [E, 2I, H] with interleaved rows, gate_up_bias [E, 2I], down [E, H, I]."""
-    gate, up = split_gate_up(gate_up, interleaved=True)
-    return MoeExperts(gate, up, down, gate_up_bias[:, 0::2], gate_up_bias[:, 1::2], down_bias,
-                      "swiglu_clamped", alpha, limit)
-
-
-SHARED_MEMORY_BUDGET = 200 * 1024
-
-
-def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2,
-                   bf16: bool = True) -> MoeConfig:
-    """Tile sizes by the expected pairs per expert (uniform routing). Each choice below is the
-    fastest measured at that load on an H200 (bench/bench_moe_sweep.py, bench/moe_breakdown.py,
-    bench/NOTES-moe.md). The row kernels' num_stages is the depth of the compiler's software
-    pipeline over K (asynchronous copies of the weight and activation chunks); one-warp programs
-    gain from it, multi-warp ones lost. MXFP4: the packed-f16 row kernels with one pair per program
-    up to one pair per expert (gpt-oss-120b to 32 tokens, gpt-oss-20b to 8; fused_moe falls back to
-    the word-decode kernels for experts other than gpt-oss's clamped SwiGLU), then with bf16
-    activations the tensor-core kernels that decode each expert once for its pairs
-    (moe_mx_mma.py), more pairs per block as the pairs per expert grow; fp16 activations take the
-    dot_scaled tiles there. FP8: pipelined row kernels up to one pair per expert (GLM-4.5V to 16 tokens; 64 rows
-    a program beyond half a pair; up to half a pair the down kernel sums each token's rows and
-    has its own tile), then tiles (at 8 and 16 tokens the 16x64 tile measured 10-23% slower than
-    the row kernels)."""
-    if not on_gpu:
-        return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
-    per_expert = num_pairs / max(num_experts, 1)
-    if fmt == FMT_MXFP4 and per_expert <= (1 if bf16 else 4):
-        if per_expert <= 0.5:
-            return MoeConfig(1, 8, 256, 1, 3 if per_expert <= 0.125 else 2, gemv=True, mx_half2=True)
-        return MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True)
-    if fmt == FMT_MXFP4 and bf16:
-        # (pairs per expert, tile) measured best on an H200 at 2-128 pairs per expert
-        # (bench/NOTES-moe.md, "Tensor-core MXFP4")
-        if per_expert <= 4:  # one-warp gate/up programs, a four-warp down tile
-            return MoeConfig(8, 16, 128, 1, 3, mx_mma=True, down_tile=(128, 128, 4, 3))
-        for most, tile in ((8, (16, 32, 128, 2, 3)), (32, (32, 64, 128, 4, 3))):
-            if per_expert <= most:
-                return MoeConfig(*tile, mx_mma=True)
-        return MoeConfig(64, 128, 128, 4, 3, mx_mma=True)
-    if fmt != FMT_MXFP4 and per_expert <= 1:
-        if fmt in (FMT_FP8_ROW, FMT_FP8_BLK):
-            # up to half a pair per expert (GLM-4.5V to 8 tokens) each token's rows are summed by the
-            # down kernel (no combine launch) and down gets its own tile; at 16 tokens both lost
-            if per_expert <= 0.125:
-                return MoeConfig(1, 16, 256, 2, 3, gemv=True, fused_combine=True, down_tile=(32, 256, 4, 2))
-            if per_expert <= 0.5:
-                return MoeConfig(1, 32, 256, 4, 3, gemv=True, fused_combine=True, down_tile=(64, 256, 4, 3))
-            return MoeConfig(1, 64, 256, 4, 3, gemv=True)
-        return MoeConfig(1, 16, 256, 4, 1, gemv=True)
-    block_k = 256 if fmt == FMT_MXFP4 else 128
-    if fmt == FMT_MXFP4 and per_expert <= 16:
-        cfg = MoeConfig(16, 128, 128, 4, 3)
-    elif fmt != FMT_MXFP4 and per_expert <= 4:
-        cfg = MoeConfig(16, 64, 128, 4, 4)
-    elif fmt == FMT_DENSE and per_expert <= 16:
-        cfg = MoeConfig(16, 32, block_k, 4, 4)
-    elif per_expert <= 48:
-        # FP8 at 16 pairs per expert (GLM-4.5V, 256 tokens): 32x64 908 us, 16x32 1176 us
-        cfg = MoeConfig(32, 64, block_k, 4, 4)
-    else:
-        # FP8 at 64 pairs per expert (GLM-4.5V, 1024 tokens): K step 128 2092 us, 64 2506 us
-        cfg = MoeConfig(64, 128, 64 if fmt == FMT_DENSE else 128, 8, 3)
-    # Pipelined tiles must fit in shared memory (227 KiB on Hopper): fewer stages for wide
-    # (fp32) operands.
-    w_bytes = {FMT_DENSE: elem_bytes, FMT_MXFP4: 0.5}.get(fmt, 1)
-    stage_bytes = cfg.block_k * (cfg.block_m * elem_bytes + 2 * cfg.block_n * w_bytes)
-    stages = cfg.num_stages
-    while stages > 1 and stages * stage_bytes > SHARED_MEMORY_BUDGET:
-        stages -= 1
-    return MoeConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stages)
 
 
 def _kernel_weight(w: LinearWeight) -> tuple[int, torch.Tensor, torch.Tensor, tuple[int, int, int], tuple[int, int]]:
@@ -307,10 +153,8 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     words_down = cfg.gemv and cfg.mx_words and fmt_d == FMT_MXFP4
     x_bf16 = x.dtype == torch.bfloat16
     if words_up:
-        # int32 words of 8 codes, strides in 16-byte groups (rows are whole 32-value groups)
-        wg32, wu32 = wg.view(torch.int32), wu.view(torch.int32)
         moe_gate_up_words_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
-            x, x.stride(0), wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4, *scales_biases,
+            x, x.stride(0), *_code_words(wg, wu), *scales_biases,
             act, act.stride(0), sorted_ids, block_expert, num_pairs, i, h, k,
             float(experts.alpha), float(experts.limit), SORTED=sorted_pairs, X_BF16=x_bf16, PREFETCH=cfg.prefetch,
             ACT=ACTIVATIONS[experts.activation], HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -322,23 +166,19 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         moe_gate_up_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             *gate_up_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **gate_up_meta)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
-    has_down_bias = experts.down_bias is not None
-    bd = experts.down_bias if has_down_bias else x
+    has_down_bias, bd, bd_stride = _down_bias(experts, x)
     pair_weights = topk_weights.reshape(-1).to(torch.float32)
     down_args = (act, act.stride(0), wd, wd.stride(0), wd.stride(1), sd, *sd_strides,
-                 bd, bd.stride(0) if has_down_bias else 0, pair_weights, y, y.stride(0),
-                 sorted_ids, block_expert, num_pairs, h, i)
+                 bd, bd_stride, pair_weights, y, y.stride(0), sorted_ids, block_expert, num_pairs, h, i)
     down_meta = dict(FORMAT=fmt_d, SBN=sdblock[0], SBK=sdblock[1], HAS_BIAS=has_down_bias,
                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
     if words_down:
-        wd32 = wd.view(torch.int32)
         moe_down_words_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
-            act, act.stride(0), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, *down_args[5:],
+            act, act.stride(0), *_code_words(wd), *down_args[5:],
             SORTED=sorted_pairs, HAS_BIAS=has_down_bias, X_BF16=x_bf16, PREFETCH=cfg.prefetch,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
     elif cfg.gemv:
-        down_n, down_k, down_warps, down_stages = cfg.down_tile or (cfg.block_n, cfg.block_k, cfg.num_warps,
-                                                                    cfg.num_stages)
+        down_n, down_k, down_warps, down_stages = cfg.down_launch
         row_blocks = triton.cdiv(h, down_n)
         arrivals = _arrival_counts(x.device, t * row_blocks) if cfg.fused_combine else y
         down_meta.update(BLOCK_N=down_n, BLOCK_K=down_k, num_warps=down_warps, num_stages=down_stages)
@@ -381,6 +221,25 @@ def _gate_up_biases(experts: MoeExperts, x: torch.Tensor):
     return True, bg, bu, (bg.stride(0), bg.stride(1))
 
 
+def _down_bias(experts: MoeExperts, x: torch.Tensor) -> tuple[bool, torch.Tensor, int]:
+    """-> (has a down bias, the bias [E, H] or x standing in for it (never read), its expert stride)."""
+    if experts.down_bias is None:
+        return False, x, 0
+    return True, experts.down_bias, experts.down_bias.stride(0)
+
+
+def _all_mxfp4(experts: MoeExperts) -> bool:
+    return all(isinstance(w, Mxfp4Weight) for w in (experts.gate, experts.up, experts.down))
+
+
+def _code_words(*codes: torch.Tensor):
+    """MXFP4 code stacks [E, N, K/2] uint8 of equal strides -> their int32 views (words of 8 codes)
+    followed by the expert and row strides in 16-byte groups (rows are whole 32-value groups), as
+    the word-reading kernels take them."""
+    words = [c.view(torch.int32) for c in codes]
+    return (*words, words[0].stride(0) // 4, words[0].stride(1) // 4)
+
+
 def _combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out [T, H] = the sum of each token's k rows of y [T * k, H] (float32, routing weights
     applied), in a fixed order."""
@@ -400,8 +259,7 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     t, h = x.shape
     k = topk_ids.shape[1]
     i = experts.intermediate_size
-    mx = all(isinstance(w, Mxfp4Weight) for w in (experts.gate, experts.up, experts.down))
-    if not (mx and cfg.gemv and cfg.block_m == 1 and experts.activation == "swiglu_clamped"):
+    if not (_all_mxfp4(experts) and cfg.gemv and cfg.block_m == 1 and experts.activation == "swiglu_clamped"):
         raise ValueError("mx_half2 needs MXFP4 experts with the clamped SwiGLU (gpt-oss) on the row kernels with "
                          "one pair per program (gemv=True, block_m=1)")
     if x.dtype not in (torch.bfloat16, torch.float16) or cfg.block_k % 32:
@@ -409,8 +267,6 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
                          f"{cfg.block_k}")
     (wg, sg, s_strides), (wu, su), (wd, sd, sd_strides) = gate, up, down
     bg, bu, bias_strides = biases
-    # int32 words of 8 codes, strides in 16-byte groups (rows are whole 32-value groups)
-    wg32, wu32, wd32 = wg.view(torch.int32), wu.view(torch.int32), wd.view(torch.int32)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     num_pairs = t * k
     expert_ids = topk_ids.reshape(-1)
@@ -420,18 +276,16 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     act_exp = act_scale_exp(experts.limit)
     act = torch.empty((num_pairs, i), dtype=torch.float16, device=x.device)
     moe_gate_up_half2_kernel[(num_pairs, triton.cdiv(i, cfg.block_n))](
-        xq.view(torch.int32), x_inv_scale, wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4,
-        sg, su, *s_strides, bg, bu, *bias_strides, act, float(2.0 ** act_exp), expert_ids, i, h, k,
-        float(experts.alpha), float(experts.limit), HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
+        xq.view(torch.int32), x_inv_scale, *_code_words(wg, wu), sg, su, *s_strides, bg, bu, *bias_strides, act,
+        float(2.0 ** act_exp), expert_ids, i, h, k, float(experts.alpha), float(experts.limit),
+        HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        STAGES=cfg.num_stages, **launch)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
-    has_down_bias = experts.down_bias is not None
-    bd = experts.down_bias if has_down_bias else x
+    has_down_bias, bd, bd_stride = _down_bias(experts, x)
     moe_down_half2_kernel[(num_pairs, triton.cdiv(h, cfg.block_n))](
-        act.view(torch.int32), float(2.0 ** -act_exp), wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, sd,
-        *sd_strides, bd, bd.stride(0) if has_down_bias else 0, topk_weights.reshape(-1).to(torch.float32), y,
-        y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
+        act.view(torch.int32), float(2.0 ** -act_exp), *_code_words(wd), sd, *sd_strides, bd, bd_stride,
+        topk_weights.reshape(-1).to(torch.float32), y, y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias,
+        INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
     return _combine(y, topk_ids, out)
 
 
@@ -443,20 +297,16 @@ def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tenso
     t, h = x.shape
     k = topk_ids.shape[1]
     e, i = experts.num_experts, experts.intermediate_size
-    mx = all(isinstance(w, Mxfp4Weight) for w in (experts.gate, experts.up, experts.down))
-    if not (mx and not cfg.gemv and x.dtype == torch.bfloat16 and cfg.block_k % 32 == 0):
+    if not (_all_mxfp4(experts) and not cfg.gemv and x.dtype == torch.bfloat16 and cfg.block_k % 32 == 0):
         raise ValueError("mx_mma needs MXFP4 experts, bf16 activations and block_k a multiple of 32 on the tile "
                          f"kernels (gemv=False), got {x.dtype}, block_k {cfg.block_k}, gemv={cfg.gemv}")
-    down_n, down_k, down_warps, down_stages = cfg.down_tile or (cfg.block_n, cfg.block_k, cfg.num_warps,
-                                                                cfg.num_stages)
+    down_n, down_k, down_warps, down_stages = cfg.down_launch
     if not interpret and (cfg.block_k % 128 or down_k % 128 or cfg.block_m < 8):
         # K steps of 64 with 4 or 8 pairs per block computed wrong sums on an H200 (Triton 3.6)
         raise ValueError(f"mx_mma on a GPU needs block_k a multiple of 128 and block_m >= 8, got block_k "
                          f"{cfg.block_k} (down {down_k}), block_m {cfg.block_m}")
     (wg, sg, s_strides), (wu, su), (wd, sd, sd_strides) = gate, up, down
     bg, bu, bias_strides = biases
-    wg32, wu32, wd32 = wg.view(torch.int32), wu.view(torch.int32), wd.view(torch.int32)
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     num_pairs = t * k
     sorted_ids, block_expert = moe_align(topk_ids, e, cfg.block_m)
     b_max = block_expert.numel()
@@ -464,17 +314,16 @@ def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tenso
     xq = x.reshape(t, h // 32, 4, 2, 4).permute(0, 4, 1, 2, 3).reshape(t, h)
     act = torch.empty((num_pairs, i), dtype=x.dtype, device=x.device)
     moe_gate_up_mma_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
-        xq, wg32, wu32, wg32.stride(0) // 4, wg32.stride(1) // 4, sg, su, *s_strides, bg, bu, *bias_strides,
+        xq, *_code_words(wg, wu), sg, su, *s_strides, bg, bu, *bias_strides,
         act, sorted_ids, block_expert, num_pairs, i, h, k, float(experts.alpha), float(experts.limit),
         ACT=ACTIVATIONS[experts.activation], HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
-    has_down_bias = experts.down_bias is not None
-    bd = experts.down_bias if has_down_bias else x
+    has_down_bias, bd, bd_stride = _down_bias(experts, x)
     moe_down_mma_kernel[(b_max, triton.cdiv(h, down_n))](
-        act, wd32, wd32.stride(0) // 4, wd32.stride(1) // 4, sd, *sd_strides, bd,
-        bd.stride(0) if has_down_bias else 0, topk_weights.reshape(-1).to(torch.float32), y, y.stride(0),
-        sorted_ids, block_expert, num_pairs, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret,
+        act, *_code_words(wd), sd, *sd_strides, bd, bd_stride, topk_weights.reshape(-1).to(torch.float32), y,
+        y.stride(0), sorted_ids, block_expert, num_pairs, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret,
         BLOCK_M=cfg.block_m, BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages, num_warps=down_warps,
         num_stages=down_stages)
     return _combine(y, topk_ids, out)

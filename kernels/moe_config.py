@@ -1,0 +1,175 @@
+"""What the fused MoE is given and how it is tiled: the expert stacks (`MoeExperts`, described
+once at load time), the launch configuration (`MoeConfig`) and its measured default per decode or
+prefill size (`default_config`).
+
+Gate and up may be two stacks (GLM checkpoints store one tensor per expert; the loader stacks
+them) or views of one fused [E, 2I, H] tensor, concatenated (transformers' GLM layout) or
+row-interleaved (gpt-oss); `split_gate_up` makes those views without copying.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight
+from .moe_gemm import FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4
+
+
+@dataclass(frozen=True)
+class MoeExperts:
+    """gate, up: [E, I, H]; down: [E, H, I]; biases [E, I] / [E, H] or None.
+    activation: "silu_glu" (GLM: silu(g) * u) or "swiglu_clamped" (gpt-oss, alpha/limit)."""
+
+    gate: LinearWeight
+    up: LinearWeight
+    down: LinearWeight
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    activation: str = "silu_glu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.gate.shape[-2]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.gate.shape[-1]
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    mx_dot_scaled: bool = True  # MXFP4 through tl.dot_scaled, else the in-kernel bit decode
+    gemv: bool = False  # row-streaming kernels for decode sizes; block_m=1 also skips moe_align
+    mx_words: bool = False  # MXFP4 row streaming: decode int32 words of 8 codes (kernels/moe_gemv_words.py)
+    prefetch: bool = False  # MXFP4 word decode: the next K chunk requested before the current one is used
+    max_registers: int = 0  # registers per thread the compiler may use (0: its choice), for occupancy
+    mx_half2: bool = False  # MXFP4 row kernels on packed f16 FMAs, one pair per program (kernels/moe_gemv_half2.py)
+    # MXFP4 tensor-core tiles decoding each expert's rows once for its block_m pairs, bf16
+    # activations (kernels/moe_mx_mma.py)
+    mx_mma: bool = False
+    # dense/FP8 row kernels, one pair per program: the down kernel adds each token's rows itself
+    # (the last of its pair programs per row block; no combine launch)
+    fused_combine: bool = False
+    # dense/FP8 row kernels and mx_mma: (block_n, block_k, num_warps, num_stages) of the down
+    # GEMM, whose shape differs from gate/up's (GLM-4.5V: 4096 rows of 1408 against 2 x 1408
+    # rows of 4096; gpt-oss: one matrix against two)
+    down_tile: tuple[int, int, int, int] | None = None
+
+    @property
+    def down_launch(self) -> tuple[int, int, int, int]:
+        """(block_n, block_k, num_warps, num_stages) of the down kernel: down_tile, else gate/up's."""
+        return self.down_tile or (self.block_n, self.block_k, self.num_warps, self.num_stages)
+
+
+def _rows(w: LinearWeight, rows: slice) -> LinearWeight:
+    if isinstance(w, DenseWeight):
+        return DenseWeight(w.weight[:, rows])
+    if isinstance(w, Mxfp4Weight):
+        return Mxfp4Weight(w.blocks[:, rows], w.scales[:, rows])
+    if w.block is not None:
+        bn = w.block[0]
+        if rows.step not in (None, 1) or rows.start % bn:
+            raise ValueError(f"block-scaled FP8 gate/up rows can only be split on {bn}-row block "
+                             "boundaries; pass gate and up as two stacks instead")
+        stop = None if rows.stop is None else triton.cdiv(rows.stop, bn)
+        return Fp8Weight(w.weight[:, rows], w.scale[:, rows.start // bn: stop], w.block)
+    scale = w.scale if w.scale.shape[-2] == 1 else w.scale[:, rows]
+    return Fp8Weight(w.weight[:, rows], scale, None)
+
+
+def split_gate_up(gate_up: LinearWeight, interleaved: bool) -> tuple[LinearWeight, LinearWeight]:
+    """[E, 2I, H] -> (gate, up) views. interleaved: even rows gate, odd rows up (gpt-oss,
+    models.md C.3); else gate rows first, then up rows (transformers' fused GLM layout)."""
+    two_i = gate_up.shape[-2]
+    if interleaved:
+        return _rows(gate_up, slice(0, None, 2)), _rows(gate_up, slice(1, None, 2))
+    return _rows(gate_up, slice(0, two_i // 2)), _rows(gate_up, slice(two_i // 2, None))
+
+
+def gpt_oss_experts(gate_up: LinearWeight, gate_up_bias: torch.Tensor, down: LinearWeight,
+                    down_bias: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> MoeExperts:
+    """gate_up [E, 2I, H] with interleaved rows, gate_up_bias [E, 2I], down [E, H, I]."""
+    gate, up = split_gate_up(gate_up, interleaved=True)
+    return MoeExperts(gate, up, down, gate_up_bias[:, 0::2], gate_up_bias[:, 1::2], down_bias,
+                      "swiglu_clamped", alpha, limit)
+
+
+SHARED_MEMORY_BUDGET = 200 * 1024
+
+
+def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2,
+                   bf16: bool = True) -> MoeConfig:
+    """Tile sizes by the expected pairs per expert (uniform routing). Each choice below is the
+    fastest measured at that load on an H200 (bench/bench_moe_sweep.py, bench/moe_breakdown.py,
+    bench/NOTES-moe.md). The row kernels' num_stages is the depth of the compiler's software
+    pipeline over K (asynchronous copies of the weight and activation chunks); one-warp programs
+    gain from it, multi-warp ones lost. MXFP4: the packed-f16 row kernels with one pair per program
+    up to one pair per expert (gpt-oss-120b to 32 tokens, gpt-oss-20b to 8; fused_moe falls back to
+    the word-decode kernels for experts other than gpt-oss's clamped SwiGLU), then with bf16
+    activations the tensor-core kernels that decode each expert once for its pairs
+    (moe_mx_mma.py), more pairs per block as the pairs per expert grow; fp16 activations take the
+    dot_scaled tiles there. FP8: pipelined row kernels up to one pair per expert (GLM-4.5V to 16 tokens; 64 rows
+    a program beyond half a pair; up to half a pair the down kernel sums each token's rows and
+    has its own tile), then tiles (at 8 and 16 tokens the 16x64 tile measured 10-23% slower than
+    the row kernels)."""
+    if not on_gpu:
+        return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
+    per_expert = num_pairs / max(num_experts, 1)
+    if fmt == FMT_MXFP4 and per_expert <= (1 if bf16 else 4):
+        if per_expert <= 0.5:
+            return MoeConfig(1, 8, 256, 1, 3 if per_expert <= 0.125 else 2, gemv=True, mx_half2=True)
+        return MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True)
+    if fmt == FMT_MXFP4 and bf16:
+        # (pairs per expert, tile) measured best on an H200 at 2-128 pairs per expert
+        # (bench/NOTES-moe.md, "Tensor-core MXFP4")
+        if per_expert <= 4:  # one-warp gate/up programs, a four-warp down tile
+            return MoeConfig(8, 16, 128, 1, 3, mx_mma=True, down_tile=(128, 128, 4, 3))
+        for most, tile in ((8, (16, 32, 128, 2, 3)), (32, (32, 64, 128, 4, 3))):
+            if per_expert <= most:
+                return MoeConfig(*tile, mx_mma=True)
+        return MoeConfig(64, 128, 128, 4, 3, mx_mma=True)
+    if fmt != FMT_MXFP4 and per_expert <= 1:
+        if fmt in (FMT_FP8_ROW, FMT_FP8_BLK):
+            # up to half a pair per expert (GLM-4.5V to 8 tokens) each token's rows are summed by the
+            # down kernel (no combine launch) and down gets its own tile; at 16 tokens both lost
+            if per_expert <= 0.125:
+                return MoeConfig(1, 16, 256, 2, 3, gemv=True, fused_combine=True, down_tile=(32, 256, 4, 2))
+            if per_expert <= 0.5:
+                return MoeConfig(1, 32, 256, 4, 3, gemv=True, fused_combine=True, down_tile=(64, 256, 4, 3))
+            return MoeConfig(1, 64, 256, 4, 3, gemv=True)
+        return MoeConfig(1, 16, 256, 4, 1, gemv=True)
+    block_k = 256 if fmt == FMT_MXFP4 else 128
+    if fmt == FMT_MXFP4 and per_expert <= 16:
+        cfg = MoeConfig(16, 128, 128, 4, 3)
+    elif fmt != FMT_MXFP4 and per_expert <= 4:
+        cfg = MoeConfig(16, 64, 128, 4, 4)
+    elif fmt == FMT_DENSE and per_expert <= 16:
+        cfg = MoeConfig(16, 32, block_k, 4, 4)
+    elif per_expert <= 48:
+        # FP8 at 16 pairs per expert (GLM-4.5V, 256 tokens): 32x64 908 us, 16x32 1176 us
+        cfg = MoeConfig(32, 64, block_k, 4, 4)
+    else:
+        # FP8 at 64 pairs per expert (GLM-4.5V, 1024 tokens): K step 128 2092 us, 64 2506 us
+        cfg = MoeConfig(64, 128, 64 if fmt == FMT_DENSE else 128, 8, 3)
+    # Pipelined tiles must fit in shared memory (227 KiB on Hopper): fewer stages for wide
+    # (fp32) operands.
+    w_bytes = {FMT_DENSE: elem_bytes, FMT_MXFP4: 0.5}.get(fmt, 1)
+    stage_bytes = cfg.block_k * (cfg.block_m * elem_bytes + 2 * cfg.block_n * w_bytes)
+    stages = cfg.num_stages
+    while stages > 1 and stages * stage_bytes > SHARED_MEMORY_BUDGET:
+        stages -= 1
+    return MoeConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stages)
