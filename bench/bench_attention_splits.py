@@ -3,11 +3,12 @@ the key tile, with enough distinct KV caches in rotation that the 50 MB L2 serve
 call's reads (bench_kernels.py repeats one call, whose 17-34 MB at batch 1 then partly come
 from L2).
 
-    python bench/bench_attention_splits.py [--batches 1,8] [--ctx 8192] [--splits 0,32,64,128,256] [--block-n 32,64]
+    python bench/bench_attention_splits.py [--batches 1,8] [--ctx 8192,512] [--splits 0,32,64,128,256] [--block-n 32,64]
         [--warps 4] [--stages 2]
 
-Split count 0 is the default (attention_decode.default_num_splits). Every candidate's output is
-checked against the default's before it is timed.
+Split count 0 is the default (attention_decode.default_num_splits); 1 finishes the rows in the
+split kernel (no combine launch). Every candidate's output is checked against the default's
+before it is timed.
 """
 from __future__ import annotations
 
@@ -44,14 +45,18 @@ def paged_kv_rotation(copies: int, bsz: int, ctx_len: int, hkv: int, d: int, blo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--ctx", type=int, default=8192)
+    parser.add_argument("--ctx", default="8192", help="context lengths, comma-separated")
     parser.add_argument("--splits", default="0,32,64,128,256")
     parser.add_argument("--block-n", default="32,64")
     parser.add_argument("--warps", default="4")
     parser.add_argument("--stages", default="2")
     args = parser.parse_args()
     torch.manual_seed(0)
-    ctx_len = args.ctx
+    for ctx_len in (int(c) for c in args.ctx.split(",")):
+        run_context(args, ctx_len)
+
+
+def run_context(args, ctx_len: int) -> None:
     for name, hq, hkv, d, sinks in CASES:
         for bsz in (int(b) for b in args.batches.split(",")):
             kv_bytes = 2 * bsz * ctx_len * hkv * d * 2

@@ -16,6 +16,7 @@ p.add_argument("models")
 p.add_argument("--layers", type=int, default=4)
 p.add_argument("--batch", type=int, default=1)
 p.add_argument("--context", type=int, default=512)
+p.add_argument("--trace", action="store_true", help="also list the step's kernels in launch order")
 args = p.parse_args()
 for name in args.models.split(","):
     spec, _, model = dummy_model(name, args.layers)
@@ -47,5 +48,10 @@ for name in args.models.split(","):
     for e in rows[:25]:
         print(f"  {e.device_time_total:8.1f} us {100 * e.device_time_total / total:5.1f}%  x{e.count:4d} "
               f"({e.count / args.layers:5.1f}/layer)  {e.key[:90]}")
+    if args.trace:
+        kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+        t0 = kernels[0].time_range.start if kernels else 0
+        for e in kernels:
+            print(f"    {e.time_range.start - t0:9.1f} us  {e.time_range.elapsed_us():7.1f} us  {e.name[:80]}")
     del model
     torch.cuda.empty_cache()

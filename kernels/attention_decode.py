@@ -10,7 +10,11 @@ Sinks: one logit per query head added to the softmax denominator with no value.
 Flash-decoding: grid (B, kv_heads, num_splits); each program serves all G = Hq / Hkv query
 heads of one KV head (the K/V tile is read once for the group) over one slice of the keys and
 writes an unnormalised partial (acc, max, sum); a combine kernel merges the slices and adds
-the sink. num_splits depends only on static shapes, so the launch is CUDA-graph safe.
+the sink (the last split program of each KV head merging them instead, with arrival counts as
+the MoE router does, measured 1.5-9x slower: the one program's serial reads of every split's
+partials cost more than the launch; bench/NOTES-moe.md). With one split (short contexts, sliding-window layers) the program finishes the rows
+itself and there is no combine launch. num_splits depends only on static shapes, so the launch
+is CUDA-graph safe.
 """
 from __future__ import annotations
 
@@ -24,11 +28,11 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, mid_ml_ptr,
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, mid_ml_ptr, sinks_ptr, out_ptr,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                         stride_tb, qk_scale, window, block_size, HQ,
+                         stride_tb, stride_ob, stride_oh, qk_scale, window, block_size, HQ,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -68,10 +72,21 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
-    row = (b * HQ + heads) * NUM_SPLITS + split
-    tl.store(mid_o_ptr + row[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
-    tl.store(mid_ml_ptr + row * 2, m, mask=g_mask)
-    tl.store(mid_ml_ptr + row * 2 + 1, l, mask=g_mask)
+    if NUM_SPLITS == 1:  # the whole key range: finish as the combine would
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_all = tl.maximum(m, sink)
+            alpha = tl.exp2(m - m_all)
+            l = l * alpha + tl.exp2(sink - m_all)
+            acc = acc * alpha[:, None]
+        out = acc / l[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=g_mask[:, None])
+    else:
+        row = (b * HQ + heads) * NUM_SPLITS + split
+        tl.store(mid_o_ptr + row[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
+        tl.store(mid_ml_ptr + row * 2, m, mask=g_mask)
+        tl.store(mid_ml_ptr + row * 2 + 1, l, mask=g_mask)
 
 
 @triton.jit
@@ -108,8 +123,14 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int
     (gpt-oss, head_dim 64) and 79.0 against 86.7 us for 5 (GLM-4.5V, head_dim 128); at batch 1,
     GLM-4.5V ran 64 splits in 17.2 us against 19.9 us for 33; at batch 32, ~10 programs per SM
     (5 splits) ran 10-15% slower than either 3 or 8 splits."""
+    tiles = triton.cdiv(max_context, block_n)
+    if batch * kv_heads >= 64 and tiles <= 2:
+        # enough programs without a split; one split finishes its rows without the combine launch
+        # (8 sequences, 128 keys: 5.8 -> 5.6 us at head_dim 64, 7.3 -> 6.7 at 128; 32 sequences
+        # 8.9 -> 7.3 and 13.3 -> 10.3). At batch 1 two splits stay faster (4.5 against 5.1 us).
+        return 1
     want = 8 * num_sms // (batch * kv_heads)
-    return max(1, min(want, 64, triton.cdiv(max_context, block_n)))
+    return max(1, min(want, 64, tiles))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -138,15 +159,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
-    mid_o = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
-    mid_ml = torch.empty((bsz, hq, num_splits, 2), dtype=torch.float32, device=q.device)
+    direct = num_splits == 1
+    mid_o = out if direct else torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
+    mid_ml = out if direct else torch.empty((bsz, hq, num_splits, 2), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_ml,
+        q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_ml, sinks if sinks is not None else q, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         scale * LOG2E, window or 0, block_size, hq,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, num_warps=num_warps, num_stages=num_stages)
+        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
+        num_warps=num_warps, num_stages=num_stages)
+    if direct:
+        return out
     _decode_combine_kernel[(bsz, hq)](
         mid_o, mid_ml, sinks if sinks is not None else q, out, out.stride(0), out.stride(1), hq,
         D=d, NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None)

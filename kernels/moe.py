@@ -24,6 +24,7 @@ import torch
 import triton
 
 from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight
+from .arrivals import arrival_counts
 from .gpu_facts import compiled_on_gpu
 from .moe_align import moe_align
 from .moe_config import MoeConfig, MoeExperts, default_config, gpt_oss_experts, split_gate_up  # noqa: F401
@@ -180,7 +181,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     elif cfg.gemv:
         down_n, down_k, down_warps, down_stages = cfg.down_launch
         row_blocks = triton.cdiv(h, down_n)
-        arrivals = _arrival_counts(x.device, t * row_blocks) if cfg.fused_combine else y
+        arrivals = arrival_counts(x.device, t * row_blocks) if cfg.fused_combine else y
         down_meta.update(BLOCK_N=down_n, BLOCK_K=down_k, num_warps=down_warps, num_stages=down_stages)
         moe_down_gemv_kernel[(b_max, row_blocks)](*down_args, arrivals, out, out.stride(0), SORTED=sorted_pairs,
                                                   STAGES=down_stages, COMBINE=cfg.fused_combine, TOP_K=k,
@@ -191,23 +192,6 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         moe_down_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
             *down_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **down_meta)
     return _combine(y, topk_ids, out)
-
-
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-_RETIRED_ARRIVALS: list[torch.Tensor] = []
-
-
-def _arrival_counts(device: torch.device, n: int) -> torch.Tensor:
-    """At least n int32 counts, zero, for the down row kernel's programs to count their arrival
-    (MoeConfig.fused_combine); one buffer per device, which every call leaves zero again. A
-    buffer outgrown is kept alive: CUDA graphs captured with it still point at its memory."""
-    counts = _ARRIVALS.get(device)
-    if counts is None or counts.numel() < n:
-        if counts is not None:
-            _RETIRED_ARRIVALS.append(counts)
-        counts = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = counts
-    return counts
 
 
 def _gate_up_biases(experts: MoeExperts, x: torch.Tensor):

@@ -16,16 +16,15 @@ import triton.language as tl
 
 SCORING_SIGMOID = 0
 SCORING_SOFTMAX_TOPK = 1
+_TAKEN = tl.constexpr(-(1 << 63))  # below every key: masked or already chosen experts
 
 
 @triton.jit
-def _route_kernel(logits_ptr, stride_lt, bias_ptr, weights_ptr, ids_ptr, E, scaling,
-                  TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
-    t = tl.program_id(0)
-    e = tl.arange(0, E_PAD)
-    e_mask = e < E
-    logits = tl.load(logits_ptr + t * stride_lt + e, mask=e_mask, other=0.0).to(tl.float32)
+def route_token(logits, e, e_mask, bias_ptr, weights_ptr, ids_ptr, t, scaling,
+                TOP_K: tl.constexpr, K_PAD: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
+                RENORMALIZE: tl.constexpr):
+    """One token's router logits (float32 [E_PAD] over experts e, e_mask the real ones) ->
+    its TOP_K weights and expert ids, stored at weights_ptr / ids_ptr + t * TOP_K."""
     if SCORING == 0:
         scores = tl.sigmoid(logits)
         choice = scores
@@ -34,19 +33,23 @@ def _route_kernel(logits_ptr, stride_lt, bias_ptr, weights_ptr, ids_ptr, E, scal
     else:
         scores = logits
         choice = logits
-    choice = tl.where(e_mask, choice, float("-inf"))
+    # One max per pick over keys that pack the choice (its float32 bits made order-preserving as
+    # signed integers; + 0.0 turns -0 into +0 so the two tie) above the inverted expert index: the
+    # largest choice wins, the lowest index among equal ones, as three reductions per pick did.
+    bits = (choice + 0.0).to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    last: tl.constexpr = e.shape[0] - 1
+    key = (ordered.to(tl.int64) << 32) | (e * -1 + last).to(tl.int64)
+    key = tl.where(e_mask, key, _TAKEN)
 
     kk = tl.arange(0, K_PAD)
     top_ids = tl.zeros((K_PAD,), dtype=tl.int32)
-    top_vals = tl.zeros((K_PAD,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(choice, axis=0)
-        # lowest index among equal maxima, so the choice is deterministic
-        idx = tl.min(tl.where(choice == best, e, E_PAD), axis=0)
-        val = tl.sum(tl.where(e == idx, scores, 0.0), axis=0)
+        idx = last - (tl.max(key, axis=0) & 0xFFFFFFFF).to(tl.int32)
         top_ids = tl.where(kk == j, idx, top_ids)
-        top_vals = tl.where(kk == j, val, top_vals)
-        choice = tl.where(e == idx, float("-inf"), choice)
+        key = tl.where(e == idx, _TAKEN, key)
+    # the chosen experts' scores (unbiased by the correction) in one pass
+    top_vals = tl.sum(tl.where(e[None, :] == top_ids[:, None], scores[None, :], 0.0), axis=1)
 
     k_mask = kk < TOP_K
     if SCORING == 0:
@@ -60,6 +63,18 @@ def _route_kernel(logits_ptr, stride_lt, bias_ptr, weights_ptr, ids_ptr, E, scal
         w = p / tl.sum(p, axis=0)
     tl.store(weights_ptr + t * TOP_K + kk, w, mask=k_mask)
     tl.store(ids_ptr + t * TOP_K + kk, top_ids, mask=k_mask)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, stride_lt, bias_ptr, weights_ptr, ids_ptr, E, scaling,
+                  TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    e_mask = e < E
+    logits = tl.load(logits_ptr + t * stride_lt + e, mask=e_mask, other=0.0).to(tl.float32)
+    route_token(logits, e, e_mask, bias_ptr, weights_ptr, ids_ptr, t, scaling, TOP_K, K_PAD, SCORING, HAS_BIAS,
+                RENORMALIZE)
 
 
 def _route(logits: torch.Tensor, top_k: int, scoring: int, bias: torch.Tensor | None,

@@ -5,6 +5,9 @@ angles as `cat(freqs, freqs)`; M-RoPE and YaRN are folded in by whoever builds t
 style: the first R dims split into halves x1, x2; o1 = x1 c - x2 s, o2 = x2 c + x1 s; the
 remaining head_dim - R dims pass through (GLM rotates 64 of 128, gpt-oss all 64).
 
+Grid: (tokens, head blocks of BLOCK_H): one program per token held all of its heads (GLM-4.5V: 96
+q heads of 128) and ran 5 us at one token.
+
 Cache write: slot_mapping [T] holds block * block_size + offset of each token in
 k_cache/v_cache [num_blocks, block_size, Hkv, D]; a negative slot skips the token (padding).
 """
@@ -15,10 +18,14 @@ import triton
 import triton.language as tl
 
 
+BLOCK_H = 8  # heads per program: one token's q and k heads spread over ~10-14 programs
+
+
 @triton.jit
-def _rotate_heads(src_ptr, dst_ptr, t, stride_st, stride_sh, stride_dt, stride_dh, cos_ptr, sin_ptr, stride_c,
-                  H, R: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr):
-    h = tl.arange(0, H_PAD)[:, None]
+def _rotate_heads(src_ptr, dst_ptr, t, h0, stride_st, stride_sh, stride_dt, stride_dh, cos_ptr, sin_ptr, stride_c,
+                  H, R: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr):
+    """Heads h0 .. h0 + BLOCK_H (below H) of token t, rotated from src to dst."""
+    h = h0 + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, D_PAD)[None, :]
     mask = (h < H) & (d < D)
     x = tl.load(src_ptr + t * stride_st + h * stride_sh + d, mask=mask, other=0.0).to(tl.float32)
@@ -36,24 +43,31 @@ def _rotate_heads(src_ptr, dst_ptr, t, stride_st, stride_sh, stride_dt, stride_d
 def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, stride_c,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
                    v_ptr, stride_vt, stride_vh, slots_ptr, kc_ptr, vc_ptr, stride_cb, stride_cs, stride_ch,
-                   block_size, HQ, HKV, R: tl.constexpr, D: tl.constexpr, HQ_PAD: tl.constexpr,
-                   HKV_PAD: tl.constexpr, D_PAD: tl.constexpr, WRITE_CACHE: tl.constexpr):
+                   block_size, HQ, HKV, R: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                   D_PAD: tl.constexpr, WRITE_CACHE: tl.constexpr):
+    """Program (token, head block): blocks below cdiv(HQ, BLOCK_H) rotate q heads, the rest k
+    heads (and write k and v into the cache)."""
     t = tl.program_id(0).to(tl.int64)
-    _rotate_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos_ptr, sin_ptr, stride_c,
-                  HQ, R, D, HQ_PAD, D_PAD)
-    _rotate_heads(k_ptr, k_out_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, cos_ptr, sin_ptr, stride_c,
-                  HKV, R, D, HKV_PAD, D_PAD)
-    if WRITE_CACHE:
-        slot = tl.load(slots_ptr + t).to(tl.int64)
-        if slot >= 0:
-            base = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
-            _rotate_heads(k_ptr, kc_ptr + base, t, stride_kt, stride_kh, 0, stride_ch, cos_ptr, sin_ptr, stride_c,
-                          HKV, R, D, HKV_PAD, D_PAD)
-            h = tl.arange(0, HKV_PAD)[:, None]
-            d = tl.arange(0, D_PAD)[None, :]
-            mask = (h < HKV) & (d < D)
-            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-            tl.store(vc_ptr + base + h * stride_ch + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    q_blocks = tl.cdiv(HQ, BLOCK_H)
+    blk = tl.program_id(1)
+    if blk < q_blocks:
+        _rotate_heads(q_ptr, q_out_ptr, t, blk * BLOCK_H, stride_qt, stride_qh, stride_qot, stride_qoh, cos_ptr,
+                      sin_ptr, stride_c, HQ, R, D, BLOCK_H, D_PAD)
+    else:
+        h0 = (blk - q_blocks) * BLOCK_H
+        _rotate_heads(k_ptr, k_out_ptr, t, h0, stride_kt, stride_kh, stride_kot, stride_koh, cos_ptr, sin_ptr,
+                      stride_c, HKV, R, D, BLOCK_H, D_PAD)
+        if WRITE_CACHE:
+            slot = tl.load(slots_ptr + t).to(tl.int64)
+            if slot >= 0:
+                base = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
+                _rotate_heads(k_ptr, kc_ptr + base, t, h0, stride_kt, stride_kh, 0, stride_ch, cos_ptr, sin_ptr,
+                              stride_c, HKV, R, D, BLOCK_H, D_PAD)
+                h = h0 + tl.arange(0, BLOCK_H)[:, None]
+                d = tl.arange(0, D_PAD)[None, :]
+                mask = (h < HKV) & (d < D)
+                v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+                tl.store(vc_ptr + base + h * stride_ch + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -76,16 +90,15 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     if t == 0:
         return q_out, k_out
     kc = k_cache if write else q
-    _rotary_kernel[(t,)](
+    _rotary_kernel[(t, triton.cdiv(hq, BLOCK_H) + triton.cdiv(hkv, BLOCK_H))](
         q, k, q_out, k_out, cos, sin, cos.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
         k_out.stride(0), k_out.stride(1),
         v if write else q, v.stride(0) if write else 0, v.stride(1) if write else 0,
         slot_mapping if write else q, kc, v_cache if write else q,
         kc.stride(0) if write else 0, kc.stride(1) if write else 0, kc.stride(2) if write else 0,
-        k_cache.shape[1] if write else 1, hq, hkv, R=r, D=d,
-        HQ_PAD=triton.next_power_of_2(hq), HKV_PAD=triton.next_power_of_2(hkv), D_PAD=triton.next_power_of_2(d),
-        WRITE_CACHE=write)
+        k_cache.shape[1] if write else 1, hq, hkv, R=r, D=d, BLOCK_H=BLOCK_H, D_PAD=triton.next_power_of_2(d),
+        WRITE_CACHE=write, num_warps=2)
     return q_out, k_out
 
 

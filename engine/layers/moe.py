@@ -1,13 +1,16 @@
 """Mixture-of-experts block: router, routed experts and (GLM) the shared expert.
 
-The router's linear goes through layers/linear.py; expert selection and the experts themselves
-go through the MoE kernels on CUDA and through the kernels' torch references (same signatures) elsewhere.
+On CUDA a decode-sized batch is routed in one launch (kernels/moe_router.py); larger batches run
+the router's linear through layers/linear.py and then the routing kernel. The experts go through
+the MoE kernels on CUDA, and everything through the kernels' torch references (same signatures)
+elsewhere.
 """
 from __future__ import annotations
 
 import torch
 
 from ...kernels.moe import MoeExperts, fused_moe, fused_moe_ref, gpt_oss_experts
+from ...kernels.moe_router import FUSED_ROUTER_MAX_T, router_glm, router_gpt_oss
 from ...kernels.moe_routing import route_glm, route_glm_ref, route_gpt_oss, route_gpt_oss_ref
 from ..parallel.context import SINGLE, ParallelContext
 from ..spec import ModelSpec
@@ -33,8 +36,9 @@ class MoeBlock:
         m = self.moe = spec.moe
         ex = f"{prefix}.experts"
         if m.router == "sigmoid_bias":
-            # GLM scores experts in float32 (sigmoid of x W^T); converted once here, not every step.
-            self.router = DenseWeight(weights[f"{prefix}.gate.weight"].to(torch.float32))
+            # GLM scores experts in float32 (sigmoid of x W^T); the bf16 weight is kept, since the
+            # one-launch router upcasts it exactly and the linear converts it per call.
+            self.router = DenseWeight(weights[f"{prefix}.gate.weight"])
             self.router_bias = weights[f"{prefix}.gate.e_score_correction_bias"]
         else:
             self.router = DenseWeight(weights[f"{prefix}.router.weight"])
@@ -57,6 +61,11 @@ class MoeBlock:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> routing weights [T, k] float32 and expert ids [T, k]."""
         m, on_gpu = self.moe, x.is_cuda
+        if on_gpu and x.shape[0] <= FUSED_ROUTER_MAX_T and x.stride(-1) == 1:
+            if m.router == "sigmoid_bias":
+                return router_glm(x, self.router.weight, self.router_bias, m.top_k, m.norm_topk_prob,
+                                  m.routed_scaling_factor, m.n_group, m.topk_group)
+            return router_gpt_oss(x, self.router.weight, self.router_bias, m.top_k)
         if m.router == "sigmoid_bias":
             # The correction bias steers only the choice of experts, not their weights.
             logits = linear(x.to(torch.float32), self.router)

@@ -2,10 +2,10 @@
 architectures at full width, a few layers deep, with random weights in the native formats."""
 import contextlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from localchat.engine.layers import moe as moe_layer
 from localchat.engine.models import build_model
@@ -31,12 +31,23 @@ def truncated_spec(name: str, layers: int = 2, vision_depth: int = 2) -> ModelSp
 
 
 def _weights_for(name, logits, ids, spec):
-    if name.startswith("route_glm"):
+    if "glm" in name:
         scores = logits.sigmoid().gather(1, ids)
         if spec.moe.norm_topk_prob:
             scores = scores / scores.sum(-1, keepdim=True)
         return scores * spec.moe.routed_scaling_factor
     return torch.softmax(logits.gather(1, ids), dim=-1)
+
+
+def _router_logits(name, args):
+    """float32 router logits of a routing call: route_* take them; router_* (x, weight, bias)
+    compute them inside their kernel, so they are recomputed here from the same operands."""
+    if name.startswith("route_"):
+        return args[0].float()
+    x, w, b = args[:3]
+    if "glm" in name:
+        return F.linear(x.float(), w.float())
+    return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype)).float()
 
 
 @contextlib.contextmanager
@@ -51,14 +62,14 @@ def recorded_routing(spec=None, replay=None):
         def route(*args, **kwargs):
             weights, ids = fn(*args, **kwargs)
             if replayed is not None:
-                logits = args[0].float()
+                logits = _router_logits(name, args)
                 ids = next(replayed).to(device=logits.device, dtype=ids.dtype)
                 weights = _weights_for(name, logits, ids.long(), spec).to(weights.dtype)
             calls.append(ids.sort(dim=-1).values.cpu())
             return weights, ids
         return route
 
-    names = ("route_glm", "route_gpt_oss", "route_glm_ref", "route_gpt_oss_ref")
+    names = ("route_glm", "route_gpt_oss", "route_glm_ref", "route_gpt_oss_ref", "router_glm", "router_gpt_oss")
     saved = {n: getattr(moe_layer, n) for n in names}
     for n in names:
         setattr(moe_layer, n, wrap(n, saved[n]))
@@ -154,14 +165,16 @@ def torch_references():
     """Swaps every Triton kernel the layers call for its torch reference (same signature)."""
     from localchat.engine.layers import attention as attention_layer
     from localchat.engine.layers import linear as linear_layer
-    from localchat.kernels import attention_decode, attention_prefill, fp8_linear, moe, moe_routing
+    from localchat.kernels import attention_decode, attention_prefill, fp8_linear, moe, moe_router, moe_routing
 
     swaps = [(attention_layer, "paged_decode_attention", attention_decode.paged_decode_attention_ref),
              (attention_layer, "paged_prefill_attention", attention_prefill.paged_prefill_attention_ref),
              (linear_layer, "fp8_linear", fp8_linear.fp8_linear_ref),
              (moe_layer, "fused_moe", moe.fused_moe_ref),
              (moe_layer, "route_glm", moe_routing.route_glm_ref),
-             (moe_layer, "route_gpt_oss", moe_routing.route_gpt_oss_ref)]
+             (moe_layer, "route_gpt_oss", moe_routing.route_gpt_oss_ref),
+             (moe_layer, "router_glm", moe_router.router_glm_ref),
+             (moe_layer, "router_gpt_oss", moe_router.router_gpt_oss_ref)]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in swaps]
     for mod, name, fn in swaps:
         setattr(mod, name, fn)

@@ -8,11 +8,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from localchat.kernels.attention_decode import _decode_split_kernel
 from localchat.kernels.moe_gemm import moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel
 from localchat.kernels.moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
 from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
 from localchat.kernels.moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel
+from localchat.kernels.moe_router import _router_kernel
+from localchat.kernels.moe_routing import _route_kernel
+from localchat.kernels.rotary import _rotary_kernel
 from localchat.kernels.row_gemv import row_gemv_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -94,6 +98,23 @@ CASES += [
      dict(ACT=1, HAS_BIAS=True, INTERPRET=False, BLOCK_M=8, BLOCK_N=32, BLOCK_K=128, STAGES=3), 2, 3),
     ("MXFP4 down mma 64x128x128 w4", moe_down_mma_kernel, MMA,
      dict(HAS_BIAS=True, INTERPRET=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, STAGES=3), 4, 3),
+    ("MoE routing, gpt-oss", _route_kernel, _types({"logits_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
+                                                   "ids_ptr": "*i32", "scaling": "fp32"}),
+     dict(TOP_K=4, E_PAD=128, K_PAD=4, SCORING=1, HAS_BIAS=False, RENORMALIZE=True), 4, 1),
+    ("MoE router in one launch, GLM-4.5V", _router_kernel,
+     _types({"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "sel_bias_ptr": "*fp32", "partial_ptr": "*fp32",
+             "arrivals_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i32", "scaling": "fp32"}),
+     dict(TOP_K=8, K_PAD=8, E_PAD=128, S_PAD=64, NUM_SPLITS=64, BLOCK_T=1, BLOCK_K=64, SCORING=0, HAS_BIAS=False,
+          HAS_SEL_BIAS=True, RENORMALIZE=True, ROUND=False), 2, 1),
+    ("rotary + paged cache write, GLM-4.5V heads", _rotary_kernel,
+     _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "v_ptr", "kc_ptr", "vc_ptr")}
+            | {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i32"}),
+     dict(R=64, D=128, BLOCK_H=8, D_PAD=128, WRITE_CACHE=True), 2, 1),
+    ("decode attention split, gpt-oss", _decode_split_kernel,
+     _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "sinks_ptr", "out_ptr")}
+            | {"tables_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32",
+               "qk_scale": "fp32"}),
+     dict(G=8, G_PAD=16, D=64, BLOCK_N=64, NUM_SPLITS=64, HAS_WINDOW=False, HAS_SINKS=True), 4, 2),
     ("dense row GEMV", row_gemv_kernel,
      _types({"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
      dict(FORMAT=0, SBN=1, SBK=1, HAS_BIAS=True, M_PAD=1, BLOCK_N=4, BLOCK_K=256, STAGES=3), 4, 3),

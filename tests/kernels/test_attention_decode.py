@@ -11,8 +11,10 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("sinks,window", [(False, None), (True, None), (True, 20), (False, 5)])
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, 6])
 def test_decode_matches_reference(dtype, sinks, window, num_splits):
+    """1 split: the split kernel finishes the rows itself; 6: with 37 keys in tiles of 16 some
+    splits have no keys."""
     lens = [1, 37, 70, 16]  # one key, across block boundaries, exactly one block
     hkv, group, d, block_size = 2, 3, 32, 16
     k, v, tables, ctx = paged_cache(lens, hkv, d, block_size, dtype)
@@ -29,6 +31,8 @@ def test_default_splits_fill_the_sms_without_an_extra_wave():
     # per 64-key tile
     assert [default_num_splits(b, 8, 8192, 64) for b in (1, 8, 16, 32, 128, 512)] == [64, 16, 8, 4, 1, 1]
     assert default_num_splits(1, 8, 200, 64) == 4
+    # a sliding window's two key tiles: split at batch 1, whole (no combine launch) from batch 8
+    assert [default_num_splits(b, 8, 128, 64) for b in (1, 4, 8, 32)] == [2, 2, 1, 1]
     for b in (1, 3, 8, 20, 32):
         assert b * 8 * default_num_splits(b, 8, 1 << 20, 64) <= 8 * 132 or default_num_splits(b, 8, 1 << 20, 64) == 1
     assert default_num_splits(8, 8, 8192, 64, num_sms=114) == 14  # scales with the GPU (an H100 PCIe)
