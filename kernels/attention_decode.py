@@ -11,10 +11,10 @@ Flash-decoding: grid (B, kv_heads, num_splits); each program serves all G = Hq /
 heads of one KV head (the K/V tile is read once for the group) over one slice of the keys and
 writes an unnormalised partial (acc, max, sum); a combine kernel merges the slices and adds
 the sink (the last split program of each KV head merging them instead, with arrival counts as
-the MoE router does, measured 1.5-9x slower: the one program's serial reads of every split's
-partials cost more than the launch; bench/NOTES-moe.md). With one split (short contexts, sliding-window layers) the program finishes the rows
-itself and there is no combine launch. num_splits depends only on static shapes, so the launch
-is CUDA-graph safe.
+the MoE router does, measured 1.5-9x slower: one program's serial reads of every split's
+partials cost more than the launch; bench/NOTES-moe.md). With one split (short key ranges at
+large batches, sliding-window layers) the program finishes the rows itself and there is no
+combine launch. num_splits depends only on static shapes, so the launch is CUDA-graph safe.
 """
 from __future__ import annotations
 

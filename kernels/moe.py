@@ -94,10 +94,10 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     if t == 0:
         return out
     on_gpu = compiled_on_gpu(x.device)
-    cfg = config or default_config(t * k, e, fmt, on_gpu, x.element_size(), x.dtype == torch.bfloat16)
+    # the MXFP4 tensor-core kernels need bf16 activations and MXFP4 down weights as well
+    mma_ok = x.dtype == torch.bfloat16 and fmt_d == FMT_MXFP4
+    cfg = config or default_config(t * k, e, fmt, on_gpu, x.element_size(), bf16=mma_ok)
     blk_ks = [b[1] for f, b in ((fmt, sblock), (fmt_d, sdblock)) if f == FMT_FP8_BLK]
-    if config is None and cfg.mx_mma and fmt_d != FMT_MXFP4:
-        cfg = default_config(t * k, e, fmt, on_gpu, x.element_size(), bf16=False)
     if config is None and cfg.mx_half2 and (experts.activation != "swiglu_clamped" or fmt_d != FMT_MXFP4):
         # the packed-f16 kernels bound the GLU output by the clamp; other experts decode words
         cfg = replace(cfg, mx_half2=False, mx_words=True)

@@ -22,9 +22,10 @@ BLOCK_H = 8  # heads per program: one token's q and k heads spread over ~10-14 p
 
 
 @triton.jit
-def _rotate_heads(src_ptr, dst_ptr, t, h0, stride_st, stride_sh, stride_dt, stride_dh, cos_ptr, sin_ptr, stride_c,
-                  H, R: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr):
-    """Heads h0 .. h0 + BLOCK_H (below H) of token t, rotated from src to dst."""
+def _rotated_heads(src_ptr, t, h0, stride_st, stride_sh, cos_ptr, sin_ptr, stride_c, H, R: tl.constexpr,
+                   D: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr):
+    """Heads h0 .. h0 + BLOCK_H (below H) of token t of src, rotated -> (values float32
+    [BLOCK_H, D_PAD], their head and dim indices, the mask of real elements)."""
     h = h0 + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, D_PAD)[None, :]
     mask = (h < H) & (d < D)
@@ -35,8 +36,7 @@ def _rotate_heads(src_ptr, dst_ptr, t, h0, stride_st, stride_sh, stride_dt, stri
     c = tl.load(cos_ptr + t * stride_c + d, mask=d < R, other=1.0).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_c + d, mask=d < R, other=0.0).to(tl.float32)
     sign = tl.where(d < R // 2, -1.0, 1.0)
-    out = tl.where(d < R, x * c + sign * xp * s, x)
-    tl.store(dst_ptr + t * stride_dt + h * stride_dh + d, out.to(dst_ptr.dtype.element_ty), mask=mask)
+    return tl.where(d < R, x * c + sign * xp * s, x), h, d, mask
 
 
 @triton.jit
@@ -51,21 +51,18 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, stride_
     q_blocks = tl.cdiv(HQ, BLOCK_H)
     blk = tl.program_id(1)
     if blk < q_blocks:
-        _rotate_heads(q_ptr, q_out_ptr, t, blk * BLOCK_H, stride_qt, stride_qh, stride_qot, stride_qoh, cos_ptr,
-                      sin_ptr, stride_c, HQ, R, D, BLOCK_H, D_PAD)
+        out, h, d, mask = _rotated_heads(q_ptr, t, blk * BLOCK_H, stride_qt, stride_qh, cos_ptr, sin_ptr, stride_c,
+                                         HQ, R, D, BLOCK_H, D_PAD)
+        tl.store(q_out_ptr + t * stride_qot + h * stride_qoh + d, out.to(q_out_ptr.dtype.element_ty), mask=mask)
     else:
-        h0 = (blk - q_blocks) * BLOCK_H
-        _rotate_heads(k_ptr, k_out_ptr, t, h0, stride_kt, stride_kh, stride_kot, stride_koh, cos_ptr, sin_ptr,
-                      stride_c, HKV, R, D, BLOCK_H, D_PAD)
+        out, h, d, mask = _rotated_heads(k_ptr, t, (blk - q_blocks) * BLOCK_H, stride_kt, stride_kh, cos_ptr,
+                                         sin_ptr, stride_c, HKV, R, D, BLOCK_H, D_PAD)
+        tl.store(k_out_ptr + t * stride_kot + h * stride_koh + d, out.to(k_out_ptr.dtype.element_ty), mask=mask)
         if WRITE_CACHE:
             slot = tl.load(slots_ptr + t).to(tl.int64)
             if slot >= 0:
                 base = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
-                _rotate_heads(k_ptr, kc_ptr + base, t, h0, stride_kt, stride_kh, 0, stride_ch, cos_ptr, sin_ptr,
-                              stride_c, HKV, R, D, BLOCK_H, D_PAD)
-                h = h0 + tl.arange(0, BLOCK_H)[:, None]
-                d = tl.arange(0, D_PAD)[None, :]
-                mask = (h < HKV) & (d < D)
+                tl.store(kc_ptr + base + h * stride_ch + d, out.to(kc_ptr.dtype.element_ty), mask=mask)
                 v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
                 tl.store(vc_ptr + base + h * stride_ch + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
