@@ -182,10 +182,13 @@ def bench_model(name: str, args) -> dict:
         _finals([engine.submit(_request(4, TextPart("tokens:64")))])  # compiles the prefill kernels
         print(f"  warmed up in {engine.warmup():.1f} s (prefill kernels compiled, decode graphs for batch sizes "
               f"{engine.runner.graphs.sizes} captured)", flush=True)
-        for b in batches:
+        ahead = engine.decode_ahead
+        for b, one_by_one in [(b, x) for b in batches for x in ((True, False) if args.one_by_one else (False,))]:
+            engine.decode_ahead = ahead and not one_by_one
             row = measure_batch(engine, spec, weights, b, args.prompt_len, args.gen_len)
+            row["decode_ahead"] = engine.decode_ahead
             result["rows"].append(row)
-            print(f"  batch {b:3d}: TTFT {row['ttft_ms']:8.1f} ms | {row['tok_s_per_stream']:7.1f} tok/s/stream, "
+            print(f"  batch {b:3d}{' (one step at a time)' if one_by_one else ''}: TTFT {row['ttft_ms']:8.1f} ms | {row['tok_s_per_stream']:7.1f} tok/s/stream, "
                   f"{row['tok_s_total']:8.1f} tok/s total | step {row['step_ms']:6.2f} ms (graph alone "
                   f"{row['graph_ms']:6.2f}) | {row['step_bytes'] / 1e9:6.2f} GB/step, floor {row['floor_ms']:.2f} ms, "
                   f"{100 * row['floor_ratio']:5.1f}% of floor", flush=True)
@@ -228,6 +231,9 @@ def add_bench_command(subparsers) -> None:
                    help="also time the transformers implementation on the same weights")
     p.add_argument("--compare-layers", type=int, default=None,
                    help="depth for --compare (default: the whole model where its bf16 copy fits, else 8)")
+    p.add_argument("--one-by-one", action="store_true",
+                   help="also measure each batch with every decode step waiting for the previous one's tokens "
+                        "(decode steps launched ahead off)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results to FILE")
     p.set_defaults(func=run_bench)
 

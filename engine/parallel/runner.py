@@ -22,7 +22,7 @@ class ParallelStepRunner(StepRunner):
     def run(self, plan: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor | None]:
         self.group.check()
         with self._on_device():
-            if self._graph_ready(plan):
+            if self.graph_ready(plan):
                 inputs = self.graph_inputs(plan)
                 self.group.send_decode(inputs)
                 logits = self._in_step(lambda: self.graphs.run(*inputs))

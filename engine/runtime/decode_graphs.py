@@ -84,6 +84,13 @@ class DecodeGraphs:
         # What another process needs to build the same graphs over its own model and cache.
         self.shape = dict(max_batch=max_batch, max_blocks=max_blocks, scratch_block=scratch_block, mrope=mrope)
 
+    def _host(self, values, dtype: torch.dtype) -> torch.Tensor:
+        """values (a list or a host tensor) as a host tensor an asynchronous copy may read after
+        this returns: pinned on a GPU (torch's pinned-memory cache keeps the block until the copy
+        has run), plain on the CPU, where copies are immediate."""
+        t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+        return t.pin_memory() if self.device.type == "cuda" else t
+
     def bucket(self, batch: int) -> int | None:
         """The smallest captured size holding `batch` rows, or None when it is too large."""
         i = bisect.bisect_left(self.sizes, batch)
@@ -131,14 +138,19 @@ class DecodeGraphs:
                 if on_progress is not None:
                     on_progress(i + 1, len(self.sizes))
 
-    def run(self, token_ids: list[int], positions: torch.Tensor, slots: list[int], lens: list[int],
+    def run(self, token_ids: list[int] | torch.Tensor, positions: torch.Tensor, slots: list[int], lens: list[int],
             tables: list[list[int]], sliding_slots: list[int] | None = None,
             sliding_tables: list[list[int]] | None = None) -> torch.Tensor:
-        """One decode step for B <= max_batch sequences: token_ids [B], positions [B] or [3, B]
+        """One decode step for B <= max_batch sequences: token_ids [B] (host ids, or a tensor on
+        the device: the ids a step still in flight is choosing), positions [B] or [3, B]
         (host), slots [B] cache slots of the new tokens, lens [B] context lengths including
         them, tables: each sequence's block ids; sliding_slots, sliding_tables: the same in the
         sliding group (a split cache only). Returns float32 logits [B, V] (a view that the next
-        run overwrites)."""
+        run overwrites).
+
+        Nothing here waits for the GPU: the inputs go through pinned host memory with
+        asynchronous copies queued behind the work already on the stream, so the next step can
+        be launched while the previous one runs."""
         if (sliding_tables is None) != (self.sliding_tables is None):
             raise ValueError("the sliding group's tables and slots come with a split KV cache, and only with one")
         b = len(token_ids)
@@ -147,15 +159,17 @@ class DecodeGraphs:
         if size is None or width > self.max_blocks:
             raise ValueError(f"a decode batch of {b} sequences / {width} blocks does not fit the captured "
                              f"graphs ({self.max_batch} / {self.max_blocks})")
-        self.token_ids[:b].copy_(torch.tensor(token_ids, dtype=torch.long), non_blocking=True)
-        self.positions[..., :b].copy_(positions, non_blocking=True)
-        self.lens[:b].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        host = self._host
+        ids = token_ids if isinstance(token_ids, torch.Tensor) else host(token_ids, torch.long)
+        self.token_ids[:b].copy_(ids, non_blocking=True)
+        self.positions[..., :b].copy_(host(positions, torch.long), non_blocking=True)
+        self.lens[:b].copy_(host(lens, torch.int32), non_blocking=True)
         if b < size:  # rows of the bucket that an earlier, larger step left behind
             self.lens[b:size].fill_(1)
         bs = self.cache.block_size
-        _load_group(self.slots, self.tables, self.scratch_block, bs, slots, tables, size, width)
+        _load_group(host, self.slots, self.tables, self.scratch_block, bs, slots, tables, size, width)
         if sliding_tables is not None:
-            _load_group(self.sliding_slots, self.sliding_tables, self.sliding_scratch, bs, sliding_slots,
+            _load_group(host, self.sliding_slots, self.sliding_tables, self.sliding_scratch, bs, sliding_slots,
                         sliding_tables, size, width)
         if not self.capture:
             with torch.inference_mode():
@@ -168,14 +182,15 @@ class DecodeGraphs:
         return self.outputs[size][:b]
 
 
-def _load_group(slot_buf: torch.Tensor, table_buf: torch.Tensor, scratch_block: int, block_size: int,
+def _load_group(host, slot_buf: torch.Tensor, table_buf: torch.Tensor, scratch_block: int, block_size: int,
                 slots: list[int], tables: list[list[int]], size: int, width: int) -> None:
     """One KV group's inputs into its static buffers: the B sequences' slots and the first
     `width` table columns (short tables padded with their last block) into rows [0, B); rows
-    [B, size) of the bucket write to and read only the group's scratch block."""
+    [B, size) of the bucket write to and read only the group's scratch block. host(values,
+    dtype): the values as a host tensor to copy from."""
     b = len(slots)
-    slot_buf[:b].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
-    padded = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32)
+    slot_buf[:b].copy_(host(slots, torch.int64), non_blocking=True)
+    padded = host([t + [t[-1]] * (width - len(t)) for t in tables], torch.int32)
     table_buf[:b, :width].copy_(padded, non_blocking=True)
     if b < size:
         slot_buf[b:size].fill_(scratch_block * block_size)

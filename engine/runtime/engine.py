@@ -25,7 +25,8 @@ from .kv_cache import build_kv_cache
 from .prefix_cache import image_spans
 from .prompt import ChatFormatter
 from .request import ChatRequest, Final, ModelInfo, Timings
-from .sampling import Sampler, sample_tokens
+from .inflight import InFlightStep
+from .sampling import Sampler, choose_tokens, sample_tokens
 from .scheduler import Scheduler
 from .sequence import EngineStream, Sequence, Status
 from .step_runner import StepRunner
@@ -59,6 +60,9 @@ class Engine:
     max_batch_tokens is the per-step token budget (prefill chunk size); max_running caps the
     sequences decoded together. cuda_graphs (default: on for CUDA, on every rank) replays decode
     steps from captured graphs; each batch-size bucket is captured on first use, or all by `warmup()`.
+    decode_ahead (default on, with graphs in one process) launches each decode step before the
+    previous one's tokens reach the host, so sampling, streaming and scheduling on the host
+    overlap the GPU's next step instead of leaving it idle.
 
     tp > 1 splits the model over tp processes, one per GPU (`gpus`, default 0..tp-1; on the CPU,
     tp processes), each reading only its slices of the checkpoint; ep splits the routed experts
@@ -112,7 +116,8 @@ class Engine:
     def _setup(self, spec, model, formatter, device, dtype, name, max_context, weights_bytes, *,
                block_size: int = 16, num_blocks: int | None = None, max_kv_tokens: int | None = None,
                num_sliding_blocks: int | None = None, max_batch_tokens: int | None = None, max_running: int = 64,
-               kv_headroom_bytes: int | None = None, cuda_graphs: bool | None = None) -> None:
+               kv_headroom_bytes: int | None = None, cuda_graphs: bool | None = None,
+               decode_ahead: bool = True) -> None:
         self.spec, self.model, self.formatter = spec, model, formatter
         self.device, self.dtype, self.name = device, dtype, name
         self.weights_bytes = weights_bytes
@@ -147,6 +152,8 @@ class Engine:
         log.info("KV cache: %d blocks of %d tokens%s (%.2f GiB)", n, block_size,
                  f", {plan.num_sliding_blocks} for the sliding-window layers" if self.sliding_pool else "",
                  self.cache.nbytes / 2**30)
+        # Runs of decode steps launched one ahead of the host (single process, captured graphs).
+        self.decode_ahead = decode_ahead and use_graphs and self.workers is None
         self._ids = itertools.count()
         self._format_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()  # Sequence, a callable for the engine thread, or None
@@ -220,7 +227,8 @@ class Engine:
         layers' pool (all 0 without one)."""
         c = self.runner.counters
         sliding = self.sliding_pool
-        return {"steps": c.steps, "graph_steps": c.graph_steps, "computed_tokens": c.computed_tokens, "images_encoded": c.images_encoded,
+        return {"steps": c.steps, "graph_steps": c.graph_steps, "ahead_steps": c.ahead_steps,
+                "computed_tokens": c.computed_tokens, "images_encoded": c.images_encoded,
                 "images_skipped": c.images_skipped, "preemptions": self.scheduler.preemptions,
                 "prefix_hit_tokens": self.scheduler.prefix_hit_tokens, "evictions": self.pool.evictions,
                 "free_blocks": self.pool.num_free, "num_blocks": self.pool.num_blocks,
@@ -341,28 +349,118 @@ class Engine:
             return out
 
     def _step(self, plan: list[tuple[Sequence, int]]) -> None:
+        if self._runs_ahead(plan):
+            self._decode_ahead(plan)
+            return
         start, graph_steps = time.perf_counter(), self.runner.counters.graph_steps
         try:
-            self._run_and_stream(plan)
+            sampling, logits = self.runner.run(plan)
+            self._stream(plan, sampling, logits)
         finally:
             if self.runner.counters.graph_steps > graph_steps:
                 self.runner.counters.record_decode(len(plan), time.perf_counter() - start)
 
-    def _run_and_stream(self, plan: list[tuple[Sequence, int]]) -> None:
-        sampling, logits = self.runner.run(plan)
+    def _stream(self, plan: list[tuple[Sequence, int]], sampling: list[Sequence], logits: torch.Tensor | None) -> None:
         done = time.perf_counter()
         self.scheduler.commit(plan)
         if not sampling:
             return
         for seq, token in zip(sampling, self._sample(sampling, logits)):
-            if seq.clock.prefill_done is None:
-                seq.clock.prefill_done = done
-            if isinstance(token, Exception):
-                self._finish(seq, "error", f"{type(token).__name__}: {token}")
-                continue
-            reason = seq.append_token(token)
-            if reason is not None:
-                self._finish(seq, reason)
+            self._emit(seq, token, done)
+
+    def _emit(self, seq: Sequence, token: int | Exception, done: float) -> None:
+        if seq.clock.prefill_done is None:
+            seq.clock.prefill_done = done
+        if isinstance(token, Exception):
+            self._finish(seq, "error", f"{type(token).__name__}: {token}")
+            return
+        reason = seq.append_token(token)
+        if reason is not None:
+            self._finish(seq, reason)
+
+    # ---- decode steps launched ahead ----------------------------------------------------------
+    #
+    # Step N+1 is launched (its inputs copied behind step N on the stream, its tokens read from
+    # step N's chosen ids on the device) before the host waits for step N's tokens; the host then
+    # streams step N's text while the GPU runs N+1. A sequence that step N finishes has one more
+    # row in step N+1, whose result is dropped: that row writes the K/V of the sequence's real
+    # last token into a slot past its registered (prefix-cached) blocks, and any later owner of
+    # those blocks writes them behind it on the same stream.
+
+    def _runs_ahead(self, plan: list[tuple[Sequence, int]]) -> bool:
+        # Every running sequence must be in it: the run goes on without the scheduler.
+        return (self.decode_ahead and self.runner.graphs is not None and len(plan) == len(self.scheduler.running)
+                and self.runner.graph_ready(plan) and not any(seq.needs_context for seq, _ in plan))
+
+    def _decode_ahead(self, plan: list[tuple[Sequence, int]]) -> None:
+        """Decode steps, each launched before the previous one's tokens are on the host, until
+        something needs the scheduler (a new request, an abort, a sequence running out of
+        tokens or blocks); the last launched step is always taken before returning."""
+        mark, graph_steps = time.perf_counter(), self.runner.counters.graph_steps
+        sampling, logits = self.runner.run(plan)
+        if self.runner.counters.graph_steps == graph_steps:  # the graph failed: it ran eagerly
+            self._stream(plan, sampling, logits)
+            return
+        step = self._choose(sampling, logits)
+        while True:
+            nxt = None
+            ahead = self._ahead(step)
+            if ahead:
+                ids = step.ids
+                if len(ahead) < len(step.seqs):
+                    row = {seq: i for i, seq in enumerate(step.seqs)}
+                    ids = ids.index_select(0, torch.tensor([row[seq] for seq in ahead]).to(ids.device, non_blocking=True))
+                try:
+                    logits = self.runner.run_ahead(ahead, ids)
+                except Exception as e:  # e.g. a bucket that cannot be captured: decode eagerly from now on
+                    log.warning("decode graph failed (%s: %s); decoding eagerly from now on", type(e).__name__, e)
+                    self.runner.graphs = None
+                else:
+                    nxt = self._choose(ahead, logits)
+            self._take(step)
+            now = time.perf_counter()
+            self.runner.counters.record_decode(len(step.seqs), now - mark)
+            mark = now
+            if nxt is None:
+                return
+            step = nxt
+
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> InFlightStep:
+        """Queues the choice of each row's token behind the step; if that fails, samples row by
+        row on the host (the failing row gets the error) and no step is launched after this one."""
+        try:
+            return InFlightStep(seqs, choose_tokens(logits, [seq.sampler for seq in seqs], [None] * len(seqs)))
+        except Exception:
+            return InFlightStep(seqs, None, self._sample(seqs, logits))
+
+    def _ahead(self, step: InFlightStep) -> list[Sequence]:
+        """The sequences of `step` that go into a step launched now, after it (their blocks
+        reserved), or [] when the scheduler should run first."""
+        sched, graphs = self.scheduler, self.runner.graphs
+        if step.ids is None or graphs is None or not self._inbox.empty():
+            return []
+        if sched.waiting and len(sched.running) < sched.max_running:
+            return []
+        if any(seq.stream.aborted.is_set() for seq in sched.running):
+            return []
+        running = [seq for seq in step.seqs if seq.status is Status.RUNNING]
+        if any(-(-(len(seq.tokens) + 1) // self.block_size) > graphs.max_blocks for seq in running):
+            return []
+        # A sequence that `step` brings to its token limit ends there: no row after it.
+        ahead = [seq for seq in running if len(seq.generated) + 1 < seq.max_tokens]
+        if not ahead or not sched.reserve_ahead(ahead):
+            return []
+        return ahead
+
+    def _take(self, step: InFlightStep) -> None:
+        """Waits for one launched step's tokens and streams them; rows of sequences that finished
+        after it was launched are dropped."""
+        tokens = step.tokens()
+        done = time.perf_counter()
+        live = [(seq, token) for seq, token in zip(step.seqs, tokens) if seq.status is Status.RUNNING]
+        self.scheduler.commit([(seq, 1) for seq, _ in live])
+        for seq, token in live:
+            self._emit(seq, token, done)
 
 
 class RequestTooLong(ValueError):

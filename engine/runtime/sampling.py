@@ -73,6 +73,18 @@ class Sampler:
 def sample_tokens(logits: torch.Tensor, samplers: list[Sampler], contexts: list[torch.Tensor | None]) -> list[int]:
     """logits [B, V] (any float dtype); samplers[b] and contexts[b] (ids for the repetition
     penalty, or None) belong to row b. Returns the B chosen ids."""
+    return choose_tokens(logits, samplers, contexts).tolist()
+
+
+def _to(device: torch.device, values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list on `device` without waiting for the work queued there (a blocking
+    host-to-device copy would wait for the step in flight)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def choose_tokens(logits: torch.Tensor, samplers: list[Sampler], contexts: list[torch.Tensor | None]) -> torch.Tensor:
+    """sample_tokens, leaving the chosen ids [B] int64 on the logits' device: every operation is
+    queued behind the step that produces the logits, and nothing waits for it."""
     logits = logits.to(torch.float32)
     penalised = [b for b, s in enumerate(samplers) if s.params.repetition_penalty != 1.0]
     if penalised:
@@ -86,12 +98,13 @@ def sample_tokens(logits: torch.Tensor, samplers: list[Sampler], contexts: list[
     if rows:
         dev = logits.device
         params = [samplers[b].params for b in rows]
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        sorted_logits, order = torch.sort(logits[rows] / temps[:, None], dim=-1, descending=True)
-        kept = filter_sorted(sorted_logits,
-                             torch.tensor([p.top_k for p in params], device=dev),
-                             torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-                             torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev))
+        picked_rows = _to(dev, rows) if len(rows) < len(samplers) else None
+        temps = _to(dev, [p.temperature for p in params], torch.float32)
+        scaled = (logits if picked_rows is None else logits.index_select(0, picked_rows)) / temps[:, None]
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        kept = filter_sorted(sorted_logits, _to(dev, [p.top_k for p in params]),
+                             _to(dev, [p.top_p for p in params], torch.float32),
+                             _to(dev, [p.min_p for p in params], torch.float32))
         probs = torch.softmax(kept, dim=-1)
         # argmax(p / E) with E ~ Exp(1) draws index i with probability p_i (the exponential race);
         # each row draws from its own request's generator so a seed reproduces its answer.
@@ -99,5 +112,5 @@ def sample_tokens(logits: torch.Tensor, samplers: list[Sampler], contexts: list[
         for i, b in enumerate(rows):
             race[i].exponential_(generator=samplers[b].generator)
         picked = order.gather(1, (probs / race).argmax(dim=-1, keepdim=True))[:, 0]
-        choice = choice.index_copy(0, torch.tensor(rows, device=dev), picked)
-    return choice.tolist()
+        choice = picked if picked_rows is None else choice.index_copy(0, picked_rows, picked)
+    return choice

@@ -86,6 +86,18 @@ class Scheduler:
         if self.sliding_pool is not None:
             seq.sliding_blocks += self.sliding_pool.allocate(need)
 
+    def reserve_ahead(self, seqs: list[Sequence]) -> bool:
+        """While each of `seqs` has a decode step in flight (feeding its newest token): table
+        entries for the token after that one too (num_computed + 2 tokens), so the next step can
+        be launched before this one's token is known. Takes free blocks only; returns False, with
+        nothing taken, when there are not enough (the next schedule() may then preempt)."""
+        need = sum(self._blocks_needed(seq, 2) for seq in seqs)
+        if need > self.pool.num_free or (self.sliding_pool is not None and need > self.sliding_pool.num_free):
+            return False
+        for seq in seqs:
+            self._grow(seq, 2)
+        return True
+
     def _slide(self, seq: Sequence) -> None:
         """Releases the sliding blocks the next token's window no longer reaches."""
         end = first_window_block(seq.num_computed, self.window, self.block_size)

@@ -166,6 +166,11 @@ class Sequence:
                 parts.append(self.features[base + a:base + b])
         return torch.cat(parts) if parts else None
 
+    @property
+    def needs_context(self) -> bool:
+        """Whether choosing its next token reads the ids so far (the repetition penalty)."""
+        return self._penalty_ctx
+
     def penalty_context(self, device) -> torch.Tensor | None:
         """The ids the repetition penalty looks at, or None when the request has no penalty."""
         if not self._penalty_ctx:

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 class StepCounters:
     steps: int = 0
     graph_steps: int = 0  # decode steps replayed from a captured graph
+    ahead_steps: int = 0  # of those, steps launched before the previous step's tokens were on the host
     computed_tokens: int = 0  # tokens fed to the model (prefill and decode)
     images_encoded: int = 0
     images_skipped: int = 0  # images wholly inside reused prefix blocks
@@ -76,7 +77,7 @@ class StepRunner:
         seq.clock.image_encode += time.perf_counter() - t0
         self.counters.images_encoded += len(todo)
 
-    def _graph_ready(self, plan: list[tuple[Sequence, int]]) -> bool:
+    def graph_ready(self, plan: list[tuple[Sequence, int]]) -> bool:
         """True when every sequence feeds its one last token and needs no image features."""
         g = self.graphs
         if g is None or len(plan) > g.max_batch:
@@ -92,18 +93,32 @@ class StepRunner:
 
     def graph_inputs(self, plan: list[tuple[Sequence, int]]) -> DecodeInputs:
         """A decode-only plan as the inputs of DecodeGraphs.run (picklable, for the other ranks)."""
-        bs = self.cache.block_size
         seqs = [seq for seq, _ in plan]
-        pos = [seq.num_computed for seq in seqs]
+        return self.decode_inputs(seqs, [seq.tokens[seq.num_computed] for seq in seqs],
+                                  [seq.num_computed for seq in seqs])
+
+    def decode_inputs(self, seqs: list[Sequence], token_ids: list[int] | torch.Tensor, pos: list[int]) -> DecodeInputs:
+        """Inputs of a decode step feeding token_ids [B] (host ids or a device tensor) at positions
+        pos [B] of their sequences."""
+        bs = self.cache.block_size
         positions = torch.tensor([seq.position_at(p) for seq, p in zip(seqs, pos)])  # [B] or [B, 3]
         sliding_slots = sliding_tables = None
         if self.split:
             sliding_slots = [slot_of(seq.sliding_blocks, p, bs) for seq, p in zip(seqs, pos)]
             sliding_tables = [seq.sliding_blocks for seq in seqs]
-        return DecodeInputs([seq.tokens[p] for seq, p in zip(seqs, pos)],
-                            positions.T.contiguous() if positions.dim() == 2 else positions,
+        return DecodeInputs(token_ids, positions.T.contiguous() if positions.dim() == 2 else positions,
                             [slot_of(seq.blocks, p, bs) for seq, p in zip(seqs, pos)],
                             [p + 1 for p in pos], [seq.blocks for seq in seqs], sliding_slots, sliding_tables)
+
+    def run_ahead(self, seqs: list[Sequence], token_ids: torch.Tensor) -> torch.Tensor:
+        """Launches the decode step after the one in flight, from a captured graph: each sequence
+        feeds the token that step is choosing (token_ids [B], on the device) at position
+        len(seq.tokens); its table must already reach that slot (Scheduler.reserve_ahead).
+        Returns the float32 logits [B, V] (still being computed; overwritten by the next step)."""
+        logits = self.graphs.run(*self.decode_inputs(seqs, token_ids, [len(seq.tokens) for seq in seqs]))
+        self._count_graph_step(len(seqs))
+        self.counters.ahead_steps += 1
+        return logits
 
     def _run_graph(self, plan: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         logits = self.graphs.run(*self.graph_inputs(plan))
@@ -156,7 +171,7 @@ class StepRunner:
     def run(self, plan: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor | None]:
         """plan: (sequence, tokens to feed) pairs. Returns the sequences to sample from now and
         their float32 logits [len(those), vocab] in the same order."""
-        if self._graph_ready(plan):
+        if self.graph_ready(plan):
             try:
                 return self._run_graph(plan)
             except Exception as e:  # a kernel that cannot be captured must not stop the chat

@@ -69,3 +69,27 @@ def test_released_windows_give_the_one_group_tokens_on_cuda(tmp_path):
         assert c["prefix_hit_tokens"] > 0 and c["sliding_free_blocks"] == c["sliding_num_blocks"]
         assert (c["graph_steps"] > 0) == graphs
         engine.shutdown()
+
+
+def test_steps_launched_ahead_give_the_one_by_one_tokens_on_cuda(tmp_path):
+    """Real graphs, pinned copies and events: sequences ending at different steps, a seeded
+    sampled one, and an end-of-sequence id that drops the row launched after it."""
+    import dataclasses
+
+    tiny = tiny_gpt_oss(tmp_path, "cuda")
+    requests = [chat(("user", q), max_tokens=n) for q, n in zip(QUESTIONS, (5, 24, 11))]
+    requests.append(chat(("user", QUESTIONS[1]), max_tokens=18, temperature=1.0, top_k=50, seed=5))
+    probe = tiny.engine(block_size=4, cuda_graphs=False)
+    eos = collect(probe.submit(requests[1]))[0][14]
+    probe.shutdown()
+    tiny = dataclasses.replace(tiny, spec=dataclasses.replace(tiny.spec, eos_token_ids=(eos,)))
+    results = []
+    for ahead in (False, True):
+        engine = tiny.engine(block_size=4, max_running=8, decode_ahead=ahead)
+        for _ in range(2):  # the second round replays graphs captured in the first
+            streams = [engine.submit(r) for r in requests]
+            results.append([(f.finish_reason, ids) for ids, _, _, f in (collect(s) for s in streams)])
+        assert (engine.counters()["ahead_steps"] > 0) == ahead
+        engine.shutdown()
+    assert results[0] == results[1] == results[2] == results[3]
+    assert results[0][1][0] == "stop"
