@@ -64,9 +64,10 @@ CASES = [  # name, kernel, types, constexprs, warps, stages, weight values per p
      dict(SORTED=False, HAS_BIAS=True, X_BF16=True, PREFETCH=False, BLOCK_M=1, BLOCK_N=16,
           BLOCK_K=256), 2, 3, 16 * 256),
 ] + [(f"{kind} half2 n{bn} k{bk} w{w}", fn, types,
-       dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=bn, BLOCK_K=bk, STAGES=3), w, 3, mats * bn * bk)
-      for kind, fn, types, mats in (("gate/up", moe_gate_up_half2_kernel, HALF2, 2),
-                                    ("down", moe_down_half2_kernel, HALF2_DOWN, 1))
+       dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=bn, BLOCK_K=bk, STAGES=3, TAIL_K=64, **extra), w, 3,
+       mats * bn * bk)
+      for kind, fn, types, mats, extra in (("gate/up", moe_gate_up_half2_kernel, HALF2, 2, {}),
+                                           ("down", moe_down_half2_kernel, HALF2_DOWN, 1, {}))
       for bn, bk, w in ((8, 256, 1), (16, 256, 1))] + [
     # tensor-core tiles (moe_mx_mma.py): per program and trip, one code decode for all BLOCK_M pairs
     (f"{kind} mma {bm}x{bn}x{bk} w{w}", fn, MMA,

@@ -246,9 +246,9 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     if not (_all_mxfp4(experts) and cfg.gemv and cfg.block_m == 1 and experts.activation == "swiglu_clamped"):
         raise ValueError("mx_half2 needs MXFP4 experts with the clamped SwiGLU (gpt-oss) on the row kernels with "
                          "one pair per program (gemv=True, block_m=1)")
-    if x.dtype not in (torch.bfloat16, torch.float16) or cfg.block_k % 32:
-        raise ValueError(f"mx_half2 needs bf16/fp16 activations and block_k a multiple of 32, got {x.dtype}, "
-                         f"{cfg.block_k}")
+    if x.dtype not in (torch.bfloat16, torch.float16) or cfg.block_k % 32 or cfg.tail_k % 32 or cfg.tail_k < 32:
+        raise ValueError(f"mx_half2 needs bf16/fp16 activations, block_k and tail_k multiples of 32, got {x.dtype}, "
+                         f"{cfg.block_k}, {cfg.tail_k}")
     (wg, sg, s_strides), (wu, su), (wd, sd, sd_strides) = gate, up, down
     bg, bu, bias_strides = biases
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -258,18 +258,20 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     x_inv_scale = torch.empty((t,), dtype=torch.float32, device=x.device)
     mx_half2_x_kernel[(t,)](x, x.stride(0), xq, x_inv_scale, h, BLOCK_H=triton.next_power_of_2(h))
     act_exp = act_scale_exp(experts.limit)
+    tail_k = min(cfg.tail_k, cfg.block_k)
     act = torch.empty((num_pairs, i), dtype=torch.float16, device=x.device)
     moe_gate_up_half2_kernel[(num_pairs, triton.cdiv(i, cfg.block_n))](
         xq.view(torch.int32), x_inv_scale, *_code_words(wg, wu), sg, su, *s_strides, bg, bu, *bias_strides, act,
         float(2.0 ** act_exp), expert_ids, i, h, k, float(experts.alpha), float(experts.limit),
         HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        STAGES=cfg.num_stages, **launch)
+        STAGES=cfg.num_stages, TAIL_K=tail_k, **launch)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias, bd, bd_stride = _down_bias(experts, x)
     moe_down_half2_kernel[(num_pairs, triton.cdiv(h, cfg.block_n))](
         act.view(torch.int32), float(2.0 ** -act_exp), *_code_words(wd), sd, *sd_strides, bd, bd_stride,
         topk_weights.reshape(-1).to(torch.float32), y, y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias,
-        INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, **launch)
+        INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, TAIL_K=tail_k,
+        **launch)
     return _combine(y, topk_ids, out)
 
 

@@ -197,11 +197,13 @@ def moe_gate_up_half2_kernel(
         bg_ptr, bu_ptr, stride_be, stride_bn,
         out_ptr, act_scale, expert_ptr, N, K, top_k, alpha, limit,
         HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr = 64):
     """Program (pair, n-block): gate and up rows [BLOCK_N] of the pair's expert against the
     pair's token, clamped SwiGLU (gpt-oss), stored as f16 act * act_scale in pair order to
     out [pairs, N]. xq: int32 view of the f16 pair-ordered activations [T, K / 2]; wg / wu:
-    int32 views of the codes with strides in 16-byte groups; expert_ptr: topk_ids flattened."""
+    int32 views of the codes with strides in 16-byte groups; expert_ptr: topk_ids flattened.
+    K past the last whole BLOCK_K step goes in steps of TAIL_K (<= BLOCK_K): every decoded
+    code is used (gpt-oss's 2880 = 11 * 256 + 64)."""
     pair = tl.program_id(0)
     e = tl.load(expert_ptr + pair)
     if e < 0:
@@ -213,15 +215,24 @@ def moe_gate_up_half2_kernel(
     acc_g = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     xq_row = xq_ptr + tok * (K // 2)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    k_whole = K - K % BLOCK_K
+    for k0 in tl.range(0, k_whole, BLOCK_K, num_stages=STAGES):
         x0, x1, x2, x3 = _x_pairs(xq_row, k0, K, BLOCK_K)
         acc_g = _chunk(acc_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
                        stride_sn, stride_sk, INTERPRET, BLOCK_K)
         acc_u = _chunk(acc_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
                        stride_sn, stride_sk, INTERPRET, BLOCK_K)
+    tail_g = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
+    tail_u = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
+    for k0 in range(k_whole, K, TAIL_K):
+        x0, x1, x2, x3 = _x_pairs(xq_row, k0, K, TAIL_K)
+        tail_g = _chunk(tail_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
+                        stride_sn, stride_sk, INTERPRET, TAIL_K)
+        tail_u = _chunk(tail_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
+                        stride_sn, stride_sk, INTERPRET, TAIL_K)
     inv = tl.load(x_inv_scale_ptr + tok)
-    g = tl.sum(acc_g, axis=1) * inv
-    u = tl.sum(acc_u, axis=1) * inv
+    g = (tl.sum(acc_g, axis=1) + tl.sum(tail_g, axis=1)) * inv
+    u = (tl.sum(acc_u, axis=1) + tl.sum(tail_u, axis=1)) * inv
     if HAS_BIAS:
         b_off = e.to(tl.int64) * stride_be + n * stride_bn
         g += tl.load(bg_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)
@@ -240,10 +251,10 @@ def moe_down_half2_kernel(
         b_ptr, stride_be,
         pair_weights_ptr, y_ptr, stride_yt, expert_ptr, N, K,
         HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr = 64):
     """Program (pair, n-block): y[pair, n] = pair weight * (down rows [BLOCK_N] . act + bias) in
     float32; aq: int32 view of the f16 pair-ordered GLU output [pairs, K / 2] scaled by
-    1 / a_inv_scale."""
+    1 / a_inv_scale. TAIL_K as in moe_gate_up_half2_kernel."""
     pair = tl.program_id(0)
     e = tl.load(expert_ptr + pair)
     if e < 0:
@@ -253,11 +264,17 @@ def moe_down_half2_kernel(
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     aq_row = aq_ptr + pair.to(tl.int64) * (K // 2)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    k_whole = K - K % BLOCK_K
+    for k0 in tl.range(0, k_whole, BLOCK_K, num_stages=STAGES):
         x0, x1, x2, x3 = _x_pairs(aq_row, k0, K, BLOCK_K)
         acc = _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
                      stride_sn, stride_sk, INTERPRET, BLOCK_K)
-    y = tl.sum(acc, axis=1) * a_inv_scale
+    tail = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
+    for k0 in range(k_whole, K, TAIL_K):
+        x0, x1, x2, x3 = _x_pairs(aq_row, k0, K, TAIL_K)
+        tail = _chunk(tail, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
+                      stride_sn, stride_sk, INTERPRET, TAIL_K)
+    y = (tl.sum(acc, axis=1) + tl.sum(tail, axis=1)) * a_inv_scale
     if HAS_BIAS:
         y += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)
     y = y * tl.load(pair_weights_ptr + pair)

@@ -88,7 +88,7 @@ class DecodeGraphs:
         """values (a list or a host tensor) as a host tensor an asynchronous copy may read after
         this returns: pinned on a GPU (torch's pinned-memory cache keeps the block until the copy
         has run), plain on the CPU, where copies are immediate."""
-        t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+        t = values.to(dtype).contiguous() if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
         return t.pin_memory() if self.device.type == "cuda" else t
 
     def bucket(self, batch: int) -> int | None:

@@ -34,10 +34,13 @@ def slow_steps(monkeypatch, engine: Engine, delay: float) -> None:
     """Every engine step (prefill chunk or decode step) also sleeps `delay` seconds: the demo model
     answers in a fraction of a second on CPU, too fast for a browser to watch or for Stop to land
     mid-answer."""
-    run = engine.runner.run
+    for name in ("run", "run_ahead"):  # steps the scheduler plans, and decode steps launched ahead
+        monkeypatch.setattr(engine.runner, name, _paced(getattr(engine.runner, name), delay))
 
+
+def _paced(run, delay: float):
     def paced(*args, **kwargs):
         time.sleep(delay)
         return run(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "run", paced)
+    return paced

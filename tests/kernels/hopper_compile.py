@@ -74,7 +74,7 @@ for prefetch in (False, True):
                   dict(SORTED=False, HAS_BIAS=True, X_BF16=True, PREFETCH=prefetch, BLOCK_M=1, BLOCK_N=16,
                        BLOCK_K=256), 2, 3))
 for bn, bk, warps in ((8, 256, 1), (16, 512, 4)):
-    half2 = dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=bn, BLOCK_K=bk, STAGES=3)
+    half2 = dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=bn, BLOCK_K=bk, STAGES=3, TAIL_K=64)
     CASES.append((f"MXFP4 gate/up half2 n{bn} k{bk}", moe_gate_up_half2_kernel, HALF2, half2, warps, 3))
     CASES.append((f"MXFP4 down half2 n{bn} k{bk}", moe_down_half2_kernel, HALF2_DOWN, half2, warps, 3))
 CASES += [
@@ -137,7 +137,7 @@ GEMV_FP8_DOWN = _types({"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
                         "arrivals_ptr": "*i32", "sum_ptr": "*bf16"})
 PIPELINED = [
     ("MXFP4 gate/up half2 n8 k256 w1, 3 stages", moe_gate_up_half2_kernel, HALF2,
-     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3), 1, 3),
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3, TAIL_K=64), 1, 3),
     ("FP8 gate/up row kernel n32 k256 w4, 3 stages", moe_gate_up_gemv_kernel, GEMV_FP8,
      dict(FORMAT=1, SBN=1, SBK=1, SORTED=False, ACT=0, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
           STAGES=3), 4, 3),
