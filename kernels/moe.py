@@ -70,11 +70,26 @@ def _check(t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} must be contiguous along K (stride 1), got strides {t.stride()}")
 
 
+def takes_half2_input(experts: MoeExperts, num_tokens: int, top_k: int, x_dtype: torch.dtype,
+                      device: torch.device) -> bool:
+    """Whether fused_moe with its default configuration runs these tokens on the packed-f16 row
+    kernels, and so can take their input form from the norm before it (fused_moe's x_half2)."""
+    if not (_all_mxfp4(experts) and experts.activation == "swiglu_clamped" and x_dtype in (torch.bfloat16,
+                                                                                          torch.float16)):
+        return False
+    on_gpu = compiled_on_gpu(device)
+    cfg = default_config(num_tokens * top_k, experts.num_experts, FMT_MXFP4, on_gpu, 2,
+                         bf16=x_dtype == torch.bfloat16)
+    return on_gpu and cfg.mx_half2
+
+
 def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              config: MoeConfig | None = None) -> torch.Tensor:
+              config: MoeConfig | None = None, x_half2: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, H] (bf16/fp16/fp32; MXFP4 needs bf16/fp16), topk_weights [T, k] float32,
     topk_ids [T, k] int -> [T, H] in x.dtype. A pair whose id is -1 (an expert another rank holds
-    under expert parallelism) adds nothing."""
+    under expert parallelism) adds nothing. x_half2: x already in the packed-f16 kernels' input
+    form (xq [T, H] f16, inv_scale [T]: kernels/moe_gemv_half2.py, half2_input_ref), used when
+    those kernels run (takes_half2_input), so their own conversion launch is skipped."""
     t, h = x.shape
     k = topk_ids.shape[1]
     e, i = experts.num_experts, experts.intermediate_size
@@ -131,7 +146,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
                             (wd, sd, sd_strides), (bg, bu, bias_strides), out)
     if cfg.mx_half2:
         return _half2_experts(x, experts, topk_weights, topk_ids, cfg, not on_gpu, (wg, sg, s_strides), (wu, su),
-                              (wd, sd, sd_strides), (bg, bu, bias_strides), out)
+                              (wd, sd, sd_strides), (bg, bu, bias_strides), out, x_half2)
     if cfg.gemv and cfg.block_m == 1:
         # one program per pair, in pair order: no grouping pass needed
         block_expert = topk_ids.reshape(-1)
@@ -234,12 +249,13 @@ def _combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor) -> torc
 
 
 def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                   cfg: MoeConfig, interpret: bool, gate, up, down, biases, out: torch.Tensor) -> torch.Tensor:
-    """The experts on kernels/moe_gemv_half2.py: activations to f16 pairs (one launch), gate/up
-    with the clamped SwiGLU, down with the routing weight, then the sum of each token's rows into
-    out [T, H] (the combine launch). gate (weight, scales, scale strides), up (weight, scales),
-    down (weight, scales, scale strides) as _kernel_weight gives them; biases as _gate_up_biases.
-    -> out."""
+                   cfg: MoeConfig, interpret: bool, gate, up, down, biases, out: torch.Tensor,
+                   x_half2: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The experts on kernels/moe_gemv_half2.py: activations to f16 pairs (one launch, unless
+    x_half2 brings them), gate/up with the clamped SwiGLU, down with the routing weight, then the
+    sum of each token's rows into out [T, H] (the combine launch). gate (weight, scales, scale
+    strides), up (weight, scales), down (weight, scales, scale strides) as _kernel_weight gives
+    them; biases as _gate_up_biases. -> out."""
     t, h = x.shape
     k = topk_ids.shape[1]
     i = experts.intermediate_size
@@ -254,9 +270,15 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     num_pairs = t * k
     expert_ids = topk_ids.reshape(-1)
-    xq = torch.empty((t, h), dtype=torch.float16, device=x.device)
-    x_inv_scale = torch.empty((t,), dtype=torch.float32, device=x.device)
-    mx_half2_x_kernel[(t,)](x, x.stride(0), xq, x_inv_scale, h, BLOCK_H=triton.next_power_of_2(h))
+    if x_half2 is not None:
+        xq, x_inv_scale = x_half2
+        if xq.shape != (t, h) or xq.dtype != torch.float16 or not xq.is_contiguous() or x_inv_scale.shape != (t,):
+            raise ValueError(f"x_half2 must be ([{t}, {h}] contiguous float16, [{t}] float32), got "
+                             f"{tuple(xq.shape)} {xq.dtype} / {tuple(x_inv_scale.shape)}")
+    else:
+        xq = torch.empty((t, h), dtype=torch.float16, device=x.device)
+        x_inv_scale = torch.empty((t,), dtype=torch.float32, device=x.device)
+        mx_half2_x_kernel[(t,)](x, x.stride(0), xq, x_inv_scale, h, BLOCK_H=triton.next_power_of_2(h))
     act_exp = act_scale_exp(experts.limit)
     tail_k = min(cfg.tail_k, cfg.block_k)
     act = torch.empty((num_pairs, i), dtype=torch.float16, device=x.device)
@@ -324,9 +346,10 @@ def expert_slice(w: LinearWeight, e: int) -> LinearWeight:
 
 
 def fused_moe_ref(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  config: MoeConfig | None = None) -> torch.Tensor:
+                  config: MoeConfig | None = None, x_half2: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Per-expert loop in float32 over exactly dequantised weights; the activation between the
-    two GEMMs is rounded to x.dtype as the kernel stores it. Pairs of expert -1 add nothing."""
+    two GEMMs is rounded to x.dtype as the kernel stores it. Pairs of expert -1 add nothing.
+    config and x_half2 are fused_moe's launch details: taken, not used."""
     t, h = x.shape
     k = topk_ids.shape[1]
     xf = x.to(torch.float32)

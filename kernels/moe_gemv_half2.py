@@ -31,6 +31,7 @@ float32 instead (INTERPRET=True), which tests every index, order and scale aroun
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -174,19 +175,44 @@ def _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, st
 
 
 @triton.jit
-def mx_half2_x_kernel(x_ptr, stride_xt, xq_ptr, inv_scale_ptr, H, BLOCK_H: tl.constexpr):
-    """Row t of x [T, H] -> f16 x * 2^k in pair order (xq [T, H]) and 2^-k
-    (inv_scale [T] float32), k chosen per row so the largest |x| * 2^k is below 2^14."""
-    t = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_H)
-    mask = offs < H
-    x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + offs, mask=mask, other=0.0).to(tl.float32)
+def store_half2_row(x, offs, mask, xq_row_ptr, inv_scale_ptr):
+    """One activation row x [BLOCK] (float32, 0 where masked) -> f16 x * 2^k in pair order at
+    xq_row_ptr and 2^-k (float32) at inv_scale_ptr, k chosen so the largest |x| * 2^k is below
+    2^14: the packed-f16 kernels' input (half2_input_ref)."""
     amax = tl.max(tl.abs(x), axis=0)
     top = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax)) for normal amax
     k = tl.minimum(tl.maximum(13 - top, -100), 100)
     scale = ((k + 127) << 23).to(tl.float32, bitcast=True)
-    tl.store(xq_ptr + t.to(tl.int64) * H + _half2_pos(offs), (x * scale).to(tl.float16), mask=mask)
-    tl.store(inv_scale_ptr + t, ((127 - k) << 23).to(tl.float32, bitcast=True))
+    tl.store(xq_row_ptr + _half2_pos(offs), (x * scale).to(tl.float16), mask=mask)
+    tl.store(inv_scale_ptr, ((127 - k) << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def mx_half2_x_kernel(x_ptr, stride_xt, xq_ptr, inv_scale_ptr, H, BLOCK_H: tl.constexpr):
+    """Row t of x [T, H] -> its packed-f16 input form: xq [T, H] f16, inv_scale [T] float32
+    (store_half2_row)."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + offs, mask=mask, other=0.0).to(tl.float32)
+    store_half2_row(x, offs, mask, xq_ptr + t.to(tl.int64) * H, inv_scale_ptr + t)
+
+
+def half2_input_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (bf16/fp16) -> (xq [T, H] f16: x * 2^k per row in pair order, inv_scale [T]
+    float32: 2^-k), k = 13 - floor(log2(max |x|)) clamped to [-100, 100] (a zero row takes 100),
+    so every |x| * 2^k < 2^14."""
+    xf = x.to(torch.float32)
+    amax = xf.abs().amax(dim=1)
+    # floor(log2) from the exponent bits, as the kernel reads it (0 and subnormals: -127)
+    top = ((amax.view(torch.int32) >> 23) & 0xFF).to(torch.float32) - 127
+    k = (13 - top).clamp(-100, 100)
+    xq = (xf * torch.exp2(k)[:, None]).to(torch.float16)
+    n = torch.arange(x.shape[1], device=x.device)
+    pos = n // 8 * 8 + torch.tensor(half2_order(), device=x.device)[n % 8]
+    out = torch.empty_like(xq)
+    out[:, pos] = xq
+    return out, torch.exp2(-k)
 
 
 @triton.jit

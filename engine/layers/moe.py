@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.moe import MoeExperts, fused_moe, fused_moe_ref, gpt_oss_experts
+from ...kernels.moe import MoeExperts, fused_moe, fused_moe_ref, gpt_oss_experts, takes_half2_input
 from ...kernels.moe_router import FUSED_ROUTER_MAX_T, router_glm, router_gpt_oss
 from ...kernels.moe_routing import route_glm, route_glm_ref, route_gpt_oss, route_gpt_oss_ref
 from ..parallel.context import SINGLE, ParallelContext
@@ -75,11 +75,21 @@ class MoeBlock:
         logits = linear(x, self.router, self.router_bias)
         return (route_gpt_oss if on_gpu else route_gpt_oss_ref)(logits, m.top_k)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_half2_input(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether the experts will run these tokens on the MXFP4 packed-f16 kernels, whose input
+        form the norm in front can write (add_rms_norm's half2) to save them a launch."""
+        return takes_half2_input(self.experts, num_tokens, self.moe.top_k, dtype, device)
+
+    def __call__(self, x: torch.Tensor, x_half2: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; x_half2: x in the packed-f16 kernels' input form, when
+        takes_half2_input said so."""
         weights, ids = self.route(x)
         if self.expert_range is not None:
             ids = local_expert_ids(ids, *self.expert_range)
-        out = (fused_moe if x.is_cuda else fused_moe_ref)(x, self.experts, weights, ids)
+        if x.is_cuda:
+            out = fused_moe(x, self.experts, weights, ids, x_half2=x_half2)
+        else:
+            out = fused_moe_ref(x, self.experts, weights, ids)
         if self.shared is not None:
             out = out + self.shared(x)
         return out

@@ -10,11 +10,12 @@ from ...kernels.rmsnorm import add_rms_norm_ref
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 weight_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 weight_first: bool = False, half2: bool = False):
     """x, residual [T, D] -> (rms_norm(x + residual), x + residual); residual None: (rms_norm(x), x).
-    One pass over the residual stream instead of an add and a norm."""
+    One pass over the residual stream instead of an add and a norm. half2: a third element, the
+    normed rows in the MXFP4 packed-f16 MoE kernels' input form (kernels/rmsnorm.py)."""
     fn = add_rms_norm_kernel if x.is_cuda else add_rms_norm_ref
-    return fn(x, residual, weight, eps, weight_first)
+    return fn(x, residual, weight, eps, weight_first, half2)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_first: bool = False) -> torch.Tensor:

@@ -49,10 +49,13 @@ class GptOssModel:
         reduce = self.ctx.all_reduce
         # The residual stream runs beside the layers; each norm also adds the previous block's output.
         out, residual = h, None
+        # At decode sizes the MXFP4 experts' packed-f16 kernels take the norm's second output.
+        half2 = bool(self.layers) and self.layers[0][3].takes_half2_input(h.shape[0], h.dtype, h.device)
         for in_norm, attn, post_norm, mlp in self.layers:
             x, residual = add_rms_norm(out, residual, in_norm, eps, weight_first=True)
-            x, residual = add_rms_norm(reduce(attn(x, cos, sin, batch, cache)), residual, post_norm, eps, weight_first=True)
-            out = reduce(mlp(x))
+            x, residual, *x_half2 = add_rms_norm(reduce(attn(x, cos, sin, batch, cache)), residual, post_norm, eps,
+                                                 weight_first=True, half2=half2)
+            out = reduce(mlp(x, *x_half2))
         return add_rms_norm(out, residual, self.norm, eps, weight_first=True)[0]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_
 from localchat.kernels.moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel
 from localchat.kernels.moe_router import _router_kernel
 from localchat.kernels.moe_routing import _route_kernel
+from localchat.kernels.rmsnorm import _add_rms_norm_kernel
 from localchat.kernels.rotary import _rotary_kernel
 from localchat.kernels.row_gemv import row_gemv_kernel
 
@@ -80,6 +81,10 @@ for bn, bk, warps in ((8, 256, 1), (16, 512, 4)):
 CASES += [
     ("MXFP4 half2 activations", mx_half2_x_kernel,
      _types({"x_ptr": "*bf16", "xq_ptr": "*fp16", "inv_scale_ptr": "*fp32"}), dict(BLOCK_H=4096), 4, 1),
+    ("residual add + RMSNorm writing the packed-f16 MoE input", _add_rms_norm_kernel,
+     _types({"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
+             "eps": "fp32", "xq_ptr": "*fp16", "inv_scale_ptr": "*fp32"}),
+     dict(HAS_RESIDUAL=True, WEIGHT_FIRST=True, BLOCK_D=4096, HALF2=True), 8, 1),
     ("MoE combine", moe_combine_kernel, _types({"y_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16"}),
      dict(TOP_K=4, BLOCK_H=1024), 4, 1),
     ("FP8 gate/up tile 16x64x128", moe_gate_up_kernel, TILE_FP8,

@@ -120,6 +120,26 @@ def test_gpt_oss_mxfp4_half2(dtype, block_n, block_k, tail_k):
         assert rel_err(out[row], ref[row]) < TOL[dtype]
 
 
+def test_half2_input_from_the_norm_gives_the_same_result():
+    # the conversion kernel equals its reference exactly, and fused_moe given that input form
+    # (as the norm in front writes it) returns exactly what its own conversion gives
+    from localchat.kernels.moe_gemv_half2 import half2_input_ref, mx_half2_x_kernel
+    e, k, h, i, t = 6, 2, 96, 160, 3
+    experts = _gpt_oss_case(e, h, i, scale_lo=110, scale_hi=131)
+    x = (torch.randn(t, h, device=DEV) * torch.tensor([[1e-3], [1.0], [300.0]], device=DEV)).to(torch.bfloat16)
+    xq = torch.empty(t, h, dtype=torch.float16, device=DEV)
+    inv = torch.empty(t, dtype=torch.float32, device=DEV)
+    mx_half2_x_kernel[(t,)](x, x.stride(0), xq, inv, h, BLOCK_H=128)
+    ref_q, ref_inv = half2_input_ref(x)
+    assert torch.equal(xq, ref_q) and torch.equal(inv, ref_inv)
+    w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
+    cfg = MoeConfig(1, 16, 64, 1, 1, gemv=True, mx_half2=True)
+    assert torch.equal(fused_moe(x, experts, w, ids, config=cfg, x_half2=(ref_q, ref_inv)),
+                       fused_moe(x, experts, w, ids, config=cfg))
+    with pytest.raises(ValueError, match="x_half2"):
+        fused_moe(x, experts, w, ids, config=cfg, x_half2=(ref_q[:, :64], ref_inv))
+
+
 def test_half2_order_matches_kernel_positions():
     from localchat.kernels.moe_gemv_half2 import act_scale_exp, half2_order
     assert half2_order() == [0, 4, 1, 5, 2, 6, 3, 7]

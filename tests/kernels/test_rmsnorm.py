@@ -44,3 +44,24 @@ def test_add_rms_norm_gpu(t, d):
     assert rel_err(out, add_rms_norm_ref(x, res, w, 1e-5)[0]) < 1e-2
     us = cuda_time_us(lambda: add_rms_norm(x, res, w, 1e-5))
     print(f"\nadd_rms_norm T={t} D={d}: {us:.1f} us, {4 * t * d * 2 / us / 1e3:.0f} GB/s")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_normed_rows_in_the_packed_f16_moe_input_form(dtype):
+    # The third output is exactly what the MoE's own conversion kernel makes of the normed rows:
+    # rows of very different magnitudes (each its own power of two), one all zero, D = 200 with a
+    # partial last 8-value word group past a power of two.
+    from localchat.kernels.moe_gemv_half2 import half2_input_ref
+    t, d = 5, 200
+    x = torch.randn(t, d, device=DEV) * torch.tensor([[1e-3], [1.0], [50.0], [0.0], [3.0]], device=DEV)
+    w = torch.rand(d, device=DEV) + 0.5
+    w[:8] = 40.0  # normed values far above 1
+    res = torch.zeros(t, d, device=DEV)
+    out, new_res, (xq, inv) = add_rms_norm(x.to(dtype), res.to(dtype), w, 1e-5, True, half2=True)
+    plain, plain_res = add_rms_norm(x.to(dtype), res.to(dtype), w, 1e-5, True)
+    assert torch.equal(out, plain) and torch.equal(new_res, plain_res)
+    ref_q, ref_inv = half2_input_ref(out)
+    assert xq.dtype == torch.float16 and torch.equal(xq, ref_q) and torch.equal(inv, ref_inv)
+    assert torch.isfinite(xq.float()).all() and xq.float().abs().max() < 2 ** 14
+    ref = add_rms_norm_ref(x.to(dtype), res.to(dtype), w, 1e-5, True, half2=True)
+    assert len(ref) == 3 and torch.equal(ref[2][0], half2_input_ref(ref[0])[0])
