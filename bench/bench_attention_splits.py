@@ -69,7 +69,7 @@ def run_context(args, ctx_len: int) -> None:
                         for nw in args.warps.split(",") for ns in args.stages.split(",")]
             for block_n, warps, stages in variants:
                 for splits in (int(v) for v in args.splits.split(",")):
-                    n = splits or default_num_splits(bsz, hkv, ctx_len, block_n)
+                    n = splits or default_num_splits(bsz, hkv, ctx_len, block_n, head_dim=d)
                     if n > ctx_len // block_n:
                         continue
                     opts = dict(num_splits=n, block_n=block_n, num_warps=warps, num_stages=stages)

@@ -115,21 +115,25 @@ def _decode_combine_kernel(mid_o_ptr, mid_ml_ptr, sinks_ptr, out_ptr, stride_ob,
 
 
 def default_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int,
-                       num_sms: int = MEASURED_SMS) -> int:
-    """Up to ~8 (batch x kv head x split) programs per SM (rounded down: about as many as fit in
-    shared memory at once at head_dim 64), at most 64 splits and one per key tile. Measured on an
-    H200 at 8K context with the KV cache out of L2 and two key tiles in flight
-    (bench/bench_attention_splits.py): at batch 8, 16 splits ran 42.5 us against 47.8 us for 9
-    (gpt-oss, head_dim 64) and 79.0 against 86.7 us for 5 (GLM-4.5V, head_dim 128); at batch 1,
-    GLM-4.5V ran 64 splits in 17.2 us against 19.9 us for 33; at batch 32, ~10 programs per SM
-    (5 splits) ran 10-15% slower than either 3 or 8 splits."""
+                       num_sms: int = MEASURED_SMS, head_dim: int = 64) -> int:
+    """Up to ~8 (batch x kv head x split) programs per SM at head_dim 64, ~4 at 128 (rounded down:
+    about as many as fit in shared memory at once), at most 64 splits and one per key tile.
+    Measured on an H200 with the KV cache out of L2 and two key tiles in flight
+    (bench/bench_attention_splits.py): at batch 8, 8K keys, 16 splits ran 42.5 us against 47.8
+    us for 9 (gpt-oss, head_dim 64); at batch 1, GLM-4.5V (head_dim 128) ran 64 splits in 17.2 us
+    against 19.9 us for 33; at batch 32, ~10 programs per SM (5 splits) ran 10-15% slower than
+    either 3 or 8 splits. GLM-4.5V at ~4 programs per SM against ~8: batch 4 / 8 / 16 / 32 at 8K
+    keys 44.9 / 76.3 / 138.2 / 257.7 us against 48.2 / 80.6 / 140.4 / 265.6, at 2048 keys 17.7 /
+    28.8 / 46.5 / 74.9 against 19.9 / 29.9 / 49.2 / 85.2 (gpt-oss keeps ~8: at batch 32, 8K, 4
+    splits 140.1 us against 160.2 for 2)."""
     tiles = triton.cdiv(max_context, block_n)
     if batch * kv_heads >= 64 and tiles <= 2:
         # enough programs without a split; one split finishes its rows without the combine launch
         # (8 sequences, 128 keys: 5.8 -> 5.6 us at head_dim 64, 7.3 -> 6.7 at 128; 32 sequences
         # 8.9 -> 7.3 and 13.3 -> 10.3). At batch 1 two splits stay faster (4.5 against 5.1 us).
         return 1
-    want = 8 * num_sms // (batch * kv_heads)
+    per_sm = 8 if head_dim <= 64 else 4
+    want = per_sm * num_sms // (batch * kv_heads)
     return max(1, min(want, 64, tiles))
 
 
@@ -155,7 +159,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits is None:
         # a windowed layer reads at most `window` keys, however long the table
         keys = block_tables.shape[1] * block_size if window is None else min(window, block_tables.shape[1] * block_size)
-        num_splits = default_num_splits(bsz, hkv, keys, block_n, sm_count(q.device))
+        num_splits = default_num_splits(bsz, hkv, keys, block_n, sm_count(q.device), d)
     out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out

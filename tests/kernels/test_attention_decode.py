@@ -36,6 +36,8 @@ def test_default_splits_fill_the_sms_without_an_extra_wave():
     for b in (1, 3, 8, 20, 32):
         assert b * 8 * default_num_splits(b, 8, 1 << 20, 64) <= 8 * 132 or default_num_splits(b, 8, 1 << 20, 64) == 1
     assert default_num_splits(8, 8, 8192, 64, num_sms=114) == 14  # scales with the GPU (an H100 PCIe)
+    # head_dim 128 (GLM-4.5V): about half as many programs per SM, still at most 64 splits
+    assert [default_num_splits(b, 8, 8192, 64, head_dim=128) for b in (1, 4, 8, 16, 32)] == [64, 16, 8, 4, 2]
     assert sm_count(torch.device("cpu")) == 132  # off the GPU: the count the defaults were measured with
 
 
