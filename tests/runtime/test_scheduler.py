@@ -33,13 +33,19 @@ def test_decodes_go_first_and_prefill_is_chunked_under_the_budget():
     assert [(s.seq_id, n) for s, n in _step(sched)] == [(0, 1), (1, 1)]
 
 
-def test_the_newest_request_is_preempted_and_recomputed():
+def _two_prefilled(n_prompt: int):
+    """A 6-block pool of 4-token blocks with two sequences of n_prompt tokens after their prefill."""
     pool = BlockPool(6)
     sched = Scheduler(pool, 4, max_batch_tokens=16, max_running=8)
-    old, new = _seq(0, 8), _seq(1, 8)
-    sched.add(old)
-    sched.add(new)
-    _step(sched)  # both prefilled: 2 blocks each
+    seqs = _seq(0, n_prompt), _seq(1, n_prompt)
+    for seq in seqs:
+        sched.add(seq)
+    _step(sched)
+    return pool, sched, *seqs
+
+
+def test_the_newest_request_is_preempted_and_recomputed():
+    pool, sched, old, new = _two_prefilled(8)  # 2 blocks each
     for _ in range(4):  # the 9th..12th tokens: one more block each, the pool is then full
         _step(sched)
     assert pool.num_free == 0 and sched.preemptions == 0
@@ -52,3 +58,31 @@ def test_the_newest_request_is_preempted_and_recomputed():
     plan = _step(sched)
     assert plan == [(new, 13 - 8)] and new.status is Status.RUNNING
     assert sched.prefix_hit_tokens == 8
+
+
+def test_reserving_ahead_takes_the_next_block_or_nothing():
+    # Two decoding sequences, each with a step in flight feeding its newest token: reserving
+    # ahead gives each the table entry of the token after it (num_computed + 2), taken from free
+    # blocks only; when they are not all there, nothing is taken.
+    pool, sched, a, b = _two_prefilled(7)  # 7 cached, 8 tokens (one sampled), 2 blocks each
+    assert (a.num_computed, len(a.tokens), len(a.blocks)) == (7, 8, 2)
+    _step(sched)  # the 8th token cached, the 9th sampled: still 2 blocks each
+    assert pool.num_free == 2 and (a.num_computed, len(a.blocks)) == (8, 2)
+    # in flight: position 8 (a 3rd block each, taken by the normal schedule)...
+    assert sched.schedule() == [(a, 1), (b, 1)] and pool.num_free == 0
+    # ... and the token after it, position 9, lies in that same 3rd block: nothing more needed
+    assert sched.reserve_ahead([a, b]) and pool.num_free == 0
+    sched.commit([(a, 1), (b, 1)])
+    for s in (a, b):
+        s.tokens.append(7)
+    for _ in range(2):  # positions 9 and 10 written; in flight: 11, the last slot of block 3
+        assert sched.schedule() == [(a, 1), (b, 1)]
+        sched.commit([(a, 1), (b, 1)])
+        for s in (a, b):
+            s.tokens.append(7)
+    assert sched.schedule() == [(a, 1), (b, 1)] and a.num_computed == 11
+    # the token after (position 12) needs a 4th block each, and the pool is empty: nothing taken
+    assert not sched.reserve_ahead([a, b]) and len(a.blocks) == len(b.blocks) == 3
+    sched.remove(b)  # b's 3 blocks come back: a can take its 4th
+    assert sched.reserve_ahead([a]) and len(a.blocks) == 4 and pool.num_free == 2
+    pool.check()
