@@ -148,9 +148,9 @@ class DecodeGraphs:
         sliding group (a split cache only). Returns float32 logits [B, V] (a view that the next
         run overwrites).
 
-        Nothing here waits for the GPU: the inputs go through pinned host memory with
-        asynchronous copies queued behind the work already on the stream, so the next step can
-        be launched while the previous one runs."""
+        Once the bucket's graph is captured nothing here waits for the GPU: the inputs go through
+        pinned host memory with asynchronous copies queued behind the work already on the
+        stream, so the next step can be launched while the previous one runs."""
         if (sliding_tables is None) != (self.sliding_tables is None):
             raise ValueError("the sliding group's tables and slots come with a split KV cache, and only with one")
         b = len(token_ids)
