@@ -74,13 +74,11 @@ def takes_half2_input(experts: MoeExperts, num_tokens: int, top_k: int, x_dtype:
                       device: torch.device) -> bool:
     """Whether fused_moe with its default configuration runs these tokens on the packed-f16 row
     kernels, and so can take their input form from the norm before it (fused_moe's x_half2)."""
-    if not (_all_mxfp4(experts) and experts.activation == "swiglu_clamped" and x_dtype in (torch.bfloat16,
-                                                                                          torch.float16)):
+    if not (compiled_on_gpu(device) and x_dtype in (torch.bfloat16, torch.float16) and _all_mxfp4(experts)
+            and experts.activation == "swiglu_clamped"):
         return False
-    on_gpu = compiled_on_gpu(device)
-    cfg = default_config(num_tokens * top_k, experts.num_experts, FMT_MXFP4, on_gpu, 2,
-                         bf16=x_dtype == torch.bfloat16)
-    return on_gpu and cfg.mx_half2
+    return default_config(num_tokens * top_k, experts.num_experts, FMT_MXFP4, True, 2,
+                          bf16=x_dtype == torch.bfloat16).mx_half2
 
 
 def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

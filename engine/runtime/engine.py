@@ -389,8 +389,8 @@ class Engine:
 
     def _runs_ahead(self, plan: list[tuple[Sequence, int]]) -> bool:
         # Every running sequence must be in it: the run goes on without the scheduler.
-        return (self.decode_ahead and self.runner.graphs is not None and len(plan) == len(self.scheduler.running)
-                and self.runner.graph_ready(plan) and not any(seq.needs_context for seq, _ in plan))
+        return (self.decode_ahead and len(plan) == len(self.scheduler.running) and self.runner.graph_ready(plan)
+                and not any(seq.needs_context for seq, _ in plan))
 
     def _decode_ahead(self, plan: list[tuple[Sequence, int]]) -> None:
         """Decode steps, each launched before the previous one's tokens are on the host, until

@@ -93,8 +93,8 @@ def choose_tokens(logits: torch.Tensor, samplers: list[Sampler], contexts: list[
             ctx = contexts[b]
             if ctx is not None:
                 logits[b] = apply_repetition_penalty(logits[b], ctx, samplers[b].params.repetition_penalty)
-    choice = logits.argmax(dim=-1)
     rows = [b for b, s in enumerate(samplers) if not s.greedy]
+    choice = logits.argmax(dim=-1) if len(rows) < len(samplers) else None
     if rows:
         dev = logits.device
         params = [samplers[b].params for b in rows]
