@@ -76,9 +76,6 @@ HALF2_CANDIDATES = [(8, 256, 1, 3), (16, 256, 2, 3), (32, 256, 4, 3), (16, 512, 
 
 # (block_m, block_n, block_k, num_warps, num_stages) of the MXFP4 tensor-core tiles (--mma-tiles)
 MMA_CANDIDATES: list[tuple[int, ...]] = []  # optionally (+ down n, k, warps, stages)
-# (block_m, block_n, num_warps, num_stages) of the MXFP4 FP8 tensor-core tiles (--fp8-tiles, K
-# steps of 128)
-FP8_CANDIDATES: list[tuple[int, ...]] = []  # optionally (+ down n, warps, stages)
 
 
 def make_case(fmt, e, h, i):
@@ -190,10 +187,6 @@ def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile, candidates=True, tile
         for bm, bn, bk, nw, ns, *down in MMA_CANDIDATES if fmt == "mxfp4" else []:
             cfg = MoeConfig(bm, bn, bk, nw, ns, mx_mma=True, down_tile=tuple(down) or None)
             cands.append((_label(cfg), cfg))
-        for bm, bn, nw, ns, *down in FP8_CANDIDATES if fmt == "mxfp4" else []:
-            down_tile = (down[0], 128, down[1], down[2]) if down else None
-            cfg = MoeConfig(bm, bn, 128, nw, ns, mx_fp8=True, down_tile=down_tile)
-            cands.append((_label(cfg), cfg))
         for bm, bn, bk, nw, ns in STAGED_ROW_CANDIDATES[fmt] if tiles else []:
             cfg = MoeConfig(bm, bn, bk, nw, ns, gemv=True, mx_words=fmt == "mxfp4" and bk <= 256)
             cands.append((_label(cfg) + f" s{ns}", cfg))
@@ -229,7 +222,7 @@ def _flush(rows):
 
 def _label(cfg):
     if not cfg.gemv:
-        decode = " mma" if cfg.mx_mma else " fp8" if cfg.mx_fp8 else "" if cfg.mx_dot_scaled else " bit-decode"
+        decode = " mma" if cfg.mx_mma else "" if cfg.mx_dot_scaled else " bit-decode"
         if cfg.down_tile:
             decode += " down n{}k{}w{}s{}".format(*cfg.down_tile)
         return f"tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{decode}"
@@ -250,9 +243,6 @@ def main():
     parser.add_argument("--mma-tiles", default="", help="MXFP4 tensor-core tiles of kernels/moe_mx_mma.py "
                         "instead of the row candidates, m:n:k:warps:stages[/n:k:warps:stages of down],..., "
                         "e.g. 16:128:128:4:3,8:16:128:1:3/32:128:1:3")
-    parser.add_argument("--fp8-tiles", default="", help="MXFP4 FP8 tensor-core tiles of kernels/moe_mx_fp8.py "
-                        "instead of the row candidates, m:n:warps:stages[/n:warps:stages of down],..., "
-                        "e.g. 4:128:4:3,8:64:4:3/128:4:3")
     parser.add_argument("--tiles", action="store_true", help="sweep tensor-core tiles (TILE_CANDIDATES) "
                         "instead of the row-kernel candidates")
     args = parser.parse_args()
@@ -261,9 +251,6 @@ def main():
     if args.mma_tiles:
         MMA_CANDIDATES[:] = [tuple(int(v) for v in spec.replace("/", ":").split(":"))
                              for spec in args.mma_tiles.split(",")]
-    if args.fp8_tiles:
-        FP8_CANDIDATES[:] = [tuple(int(v) for v in spec.replace("/", ":").split(":"))
-                             for spec in args.fp8_tiles.split(",")]
     if args.half2_tiles:
         HALF2_CANDIDATES[:] = [tuple(int(v) for v in spec.split(":")) for spec in args.half2_tiles.split(",")]
     dev = torch.cuda.get_device_properties(0)
@@ -278,7 +265,7 @@ def main():
         if key in args.only.split(","):
             # gpt-oss-20b: the defaults only, against the previous default
             sweep_case(*case, ts, rows, args.tile,
-                       candidates=key != "mxfp4_20b" and not (args.half2 or args.mma_tiles or args.fp8_tiles),
+                       candidates=key != "mxfp4_20b" and not args.half2 and not args.mma_tiles,
                        tiles=args.tiles, half2=args.half2)
     _flush(rows)
 

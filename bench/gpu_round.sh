@@ -4,7 +4,7 @@
 # host (engine host-time profile), breakdown (time per MoE kernel), moe-half2 (MXFP4 packed-f16 timings),
 # attention-splits (decode attention against splits, key tile, warps and stages), floor (pure reads
 # of a decode step's bytes, bench/read_floor.py), moe-mma (the MXFP4 tensor-core kernels' GPU tests and
-# tile sweep), moe-fp8 (the same for the FP8 tensor-core kernels), profile (the kernels of one eager decode step in launch order, bench/profile_step.py), router (the one-launch MoE router's GPU
+# tile sweep), profile (the kernels of one eager decode step in launch order, bench/profile_step.py), router (the one-launch MoE router's GPU
 # tests and tile sweep, bench/bench_router.py). Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
@@ -27,8 +27,6 @@ step attention-splits && timeout "${ATTN_S:-300}" python3 bench/bench_attention_
 step floor && timeout "${FLOOR_S:-150}" python3 bench/read_floor.py 2>&1 | tee "$OUT/read_floor.log"
 step moe-mma && timeout "${MMA_TESTS_S:-200}" python3 -m pytest -m gpu tests/kernels/test_moe_mx_mma.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/mma_gpu.log" | tail -12
 step moe-mma && timeout "${MMA_S:-400}" python3 bench/bench_moe_sweep.py --mma-tiles "${MMA_TILES:-8:16:128:1:3/128:128:4:3,8:16:128:1:3/64:128:2:3,8:32:128:2:3,16:32:128:2:3,32:64:128:4:3,64:128:128:4:3}" --ts ${MMA_TS:-32,8,64,16,128} --only mxfp4,mxfp4_20b 2>&1 | tee "$OUT/mma.log" | grep -E "best|failed"
-step moe-fp8 && timeout "${FP8_TESTS_S:-200}" python3 -m pytest -m gpu tests/kernels/test_moe_mx_fp8.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/fp8_gpu.log" | tail -12
-step moe-fp8 && timeout "${FP8_S:-400}" python3 bench/bench_moe_sweep.py --fp8-tiles "${FP8_TILES:-4:128:4:3,8:128:4:3,4:64:4:3,8:64:4:3/128:4:3,16:128:4:3}" --ts ${FP8_TS:-32,8,1,64} --only mxfp4,mxfp4_20b 2>&1 | tee "$OUT/fp8.log" | grep -E "best|failed|fp8"
 step profile && timeout "${PROFILE_S:-200}" python3 bench/profile_step.py ${PROFILE_ARGS:-gpt-oss-120b,gpt-oss-20b,glm-4.5v-fp8 --layers 4 --batch 1 --trace} 2>&1 | tee "$OUT/profile.log"
 step router && timeout "${ROUTER_TESTS_S:-120}" python3 -m pytest -m gpu tests/kernels/test_moe_router.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/router_gpu.log" | tail -12
 step router && timeout "${ROUTER_S:-200}" python3 bench/bench_router.py ${ROUTER_ARGS:-} 2>&1 | tee "$OUT/router.log"

@@ -33,8 +33,6 @@ from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT
 from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from .moe_gemv_half2 import act_scale_exp, moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
 from .moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
-from .moe_mx_fp8 import act_exp as fp8_act_exp
-from .moe_mx_fp8 import moe_down_fp8_kernel, moe_gate_up_fp8_kernel, mx_fp8_x_kernel
 from .moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel
 
 ACTIVATIONS = {"silu_glu": ACT_SILU_GLU, "swiglu_clamped": ACT_SWIGLU_OAI}
@@ -133,17 +131,14 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     if cfg.gemv and cfg.mx_words and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_m > 4:
         raise ValueError(f"the MXFP4 word-decode kernels take at most 4 pairs per program, got block_m {cfg.block_m}")
     row_kernels = cfg.gemv and cfg.block_m == 1 and fmt_d != FMT_MXFP4
-    if (cfg.fused_combine and not row_kernels) or (cfg.down_tile and not (row_kernels or cfg.mx_mma or cfg.mx_fp8)):
+    if (cfg.fused_combine and not row_kernels) or (cfg.down_tile and not (row_kernels or cfg.mx_mma)):
         raise ValueError("fused_combine needs the dense or FP8 row kernels with one pair per program (gemv=True, "
-                         "block_m=1); down_tile those or the MXFP4 tensor-core kernels (mx_mma, mx_fp8)")
+                         "block_m=1); down_tile those or the MXFP4 tensor-core kernels (mx_mma)")
     if down_blk_k and not _fp8_block_k_fits(cfg.down_tile[1], cfg.gemv, down_blk_k):
         raise ValueError(f"down_tile block_k {cfg.down_tile[1]} must divide the FP8 scale block {sdblock} or be a "
                          "multiple of a power-of-two block")
     num_pairs = t * k
     has_bias, bg, bu, bias_strides = _gate_up_biases(experts, x)
-    if cfg.mx_fp8:
-        return _fp8_experts(x, experts, topk_weights, topk_ids, cfg, not on_gpu, (wg, sg, s_strides), (wu, su),
-                            (wd, sd, sd_strides), (bg, bu, bias_strides), out)
     if cfg.mx_mma:
         return _mma_experts(x, experts, topk_weights, topk_ids, cfg, not on_gpu, (wg, sg, s_strides), (wu, su),
                             (wd, sd, sd_strides), (bg, bu, bias_strides), out)
@@ -337,50 +332,6 @@ def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tenso
         y.stride(0), sorted_ids, block_expert, num_pairs, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret,
         BLOCK_M=cfg.block_m, BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages, num_warps=down_warps,
         num_stages=down_stages)
-    return _combine(y, topk_ids, out)
-
-
-def _fp8_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 cfg: MoeConfig, interpret: bool, gate, up, down, biases, out: torch.Tensor) -> torch.Tensor:
-    """The experts on kernels/moe_mx_fp8.py: activations to two e4m3 planes (one launch), pairs
-    grouped by expert (moe_align), gate/up with the clamped SwiGLU, down with the routing weight,
-    then the sum of each token's rows into out [T, H]. Arguments as for _half2_experts. -> out."""
-    t, h = x.shape
-    k = topk_ids.shape[1]
-    e, i = experts.num_experts, experts.intermediate_size
-    if not (_all_mxfp4(experts) and not cfg.gemv and experts.activation == "swiglu_clamped" and cfg.block_k == 128
-            and h % 32 == 0 and i % 32 == 0):
-        raise ValueError("mx_fp8 needs MXFP4 experts with the clamped SwiGLU (gpt-oss) on the tile kernels (gemv=False) "
-                         f"and block_k 128, got block_k {cfg.block_k}, gemv={cfg.gemv}, {experts.activation}")
-    down_n, _, down_warps, down_stages = cfg.down_launch
-    if not interpret and (cfg.num_warps % 4 or down_warps % 4 or cfg.block_m < 4):
-        # one warp group or more: Triton issues FP8 warp-group MMAs only from four warps; fewer
-        # take a path that converts both operands to f16 first
-        raise ValueError(f"mx_fp8 on a GPU needs num_warps a multiple of 4 and block_m >= 4, got {cfg.num_warps} "
-                         f"(down {down_warps}), block_m {cfg.block_m}")
-    (wg, sg, s_strides), (wu, su), (wd, sd, sd_strides) = gate, up, down
-    bg, bu, bias_strides = biases
-    num_pairs = t * k
-    sorted_ids, block_expert = moe_align(topk_ids, e, cfg.block_m)
-    b_max = block_expert.numel()
-    xq = torch.empty((t, 2, h), dtype=torch.float8_e4m3fn, device=x.device)
-    x_inv_scale = torch.empty((t,), dtype=torch.float32, device=x.device)
-    mx_fp8_x_kernel[(t,)](x, x.stride(0), xq, x_inv_scale, h, BLOCK_H=triton.next_power_of_2(h))
-    act_exp = fp8_act_exp(experts.limit)
-    act = torch.empty((num_pairs, 2, i), dtype=torch.float8_e4m3fn, device=x.device)
-    moe_gate_up_fp8_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
-        xq, x_inv_scale, *_code_words(wg, wu), sg, su, *s_strides, bg, bu, *bias_strides,
-        act, float(2.0 ** act_exp), sorted_ids, block_expert, num_pairs, i, h, k, float(experts.alpha),
-        float(experts.limit), ACT=ACTIVATIONS[experts.activation], HAS_BIAS=experts.gate_bias is not None,
-        INTERPRET=interpret, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
-    has_down_bias, bd, bd_stride = _down_bias(experts, x)
-    moe_down_fp8_kernel[(b_max, triton.cdiv(h, down_n))](
-        act, float(2.0 ** -act_exp), *_code_words(wd), sd, *sd_strides, bd, bd_stride,
-        topk_weights.reshape(-1).to(torch.float32), y, y.stride(0), sorted_ids, block_expert, num_pairs, h, i,
-        HAS_BIAS=has_down_bias, INTERPRET=interpret, BLOCK_M=cfg.block_m, BLOCK_N=down_n, STAGES=down_stages,
-        num_warps=down_warps, num_stages=down_stages)
     return _combine(y, topk_ids, out)
 
 

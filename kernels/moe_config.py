@@ -61,9 +61,6 @@ class MoeConfig:
     # MXFP4 tensor-core tiles decoding each expert's rows once for its block_m pairs, bf16
     # activations (kernels/moe_mx_mma.py)
     mx_mma: bool = False
-    # MXFP4 tensor-core tiles on e4m3 operands (kernels/moe_mx_fp8.py): block_m pairs (two MMA
-    # columns each), block_n rows, K steps of 128; gpt-oss's clamped SwiGLU only
-    mx_fp8: bool = False
     # dense/FP8 row kernels, one pair per program: the down kernel adds each token's rows itself
     # (the last of its pair programs per row block; no combine launch)
     fused_combine: bool = False
