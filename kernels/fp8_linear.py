@@ -2,12 +2,20 @@
 
 Decode sizes (M <= 2): a row-streaming Triton kernel reads W once in wide slabs and reduces
 each token against it with FMAs, split over N so 1 token fills the GPU. Medium M: the weight-only
-tile kernel of the MoE GEMMs with one "expert". Large M with channel/tensor scales on CUDA: torch._scaled_mm on FP8 tensor cores, with the
-activations quantised per token on the fly (dynamic scales, as compressed-tensors FP8_DYNAMIC
-checkpoints expect, models.md B). Block scales at large M stay on the Triton kernel.
+tile kernel of the MoE GEMMs with one "expert". Large M on CUDA: torch._scaled_mm on FP8 tensor
+cores. Channel/tensor scales: the activations quantised per token on the fly (dynamic scales, as
+compressed-tensors FP8_DYNAMIC checkpoints expect, models.md B). 128x128 block scales: cuBLAS's
+blockwise recipe (CUDA 12.9+, Hopper; reached through torch._scaled_mm since pytorch/pytorch
+PR 158037), the activations quantised per token and 128-column group by _quant_groups_kernel
+(the 1x128 activation / 128x128 weight scaling of DeepSeek-style FP8 checkpoints; GLM-4.5V-FP8
+itself has channel scales): on an H200 at 2048 tokens, N=12288, K=4096, 171.5 us (1202 TFLOP/s)
+against 633.9 us for the tile (BENCHMARKS.md). Where that recipe is missing or the shape does
+not fit it (K / 128 not a multiple of 4: cuBLAS then computed wrong sums in
+bench/scaled_mm_probe.py), block scales stay on the tile.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -20,11 +28,91 @@ from .moe_gemm import FMT_FP8_BLK, FMT_FP8_ROW, _row_scale, _weight_dot
 from .row_gemv import GEMV_MAX_M, gemv_block_n, row_gemv_kernel
 
 FP8_MAX = 448.0
+E4M3_MAX = tl.constexpr(FP8_MAX)
 SCALED_MM_MIN_M = 64
 # Software-pipeline depth of the row GEMV over K. H200, 128x128 block scales, 1 token, weights out
 # of L2 (bench/bench_row_gemv.py): 4 stages against none, GLM-4.5V q/k/v 28.1 -> 24.7 us, o_proj
 # 56.5 -> 49.1 us, shared expert gate/up 19.5 -> 15.6 us.
 FP8_GEMV_STAGES = 4
+
+
+@triton.jit
+def _e4m3_round(v):
+    """float32 (|v| <= 448) -> the nearest e4m3 value (ties to even) in float32, by one add and one
+    subtract of 1.5 * 2^(23 + the quantum's exponent): the conversion after it is exact, which
+    Triton's interpreter needs (its own rounding drops the carry into the exponent)."""
+    e = ((v.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+    c = (((tl.maximum(e, -6) + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    return (v + c) - c
+
+
+@triton.jit
+def _quant_groups_kernel(x_ptr, stride_xm, q_ptr, s_ptr, M, K, M_PAD, BLOCK_G: tl.constexpr):
+    """Program (row m, BLOCK_G groups of 128 columns): s = amax(|x[m, group]|) / 448, q[m, k] =
+    e4m3(x[m, k] / s); s stored transposed, s_ptr [K / 128, M_PAD]. Rows M..M_PAD-1 (padding)
+    get zeros."""
+    m = tl.program_id(0)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    k = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    mask = (g < K // 128)[:, None]
+    real = k < (tl.where(m < M, K, 0))  # padding rows read nothing
+    x = tl.load(x_ptr + m.to(tl.int64) * stride_xm + k, mask=mask & real, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / E4M3_MAX
+    q = _e4m3_round(tl.minimum(tl.maximum(x / scale[:, None], -E4M3_MAX), E4M3_MAX))
+    tl.store(q_ptr + m.to(tl.int64) * K + k, q.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + g * M_PAD + m, scale, mask=g < K // 128)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, stride_xm, q_ptr, s_ptr, K, BLOCK_K: tl.constexpr):
+    """Program m: s[m] = amax(|x[m]|) / 448, q[m, k] = e4m3(x[m, k] / s[m])."""
+    m = tl.program_id(0)
+    k = tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + m.to(tl.int64) * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / E4M3_MAX
+    q = _e4m3_round(tl.minimum(tl.maximum(x / scale, -E4M3_MAX), E4M3_MAX))
+    tl.store(q_ptr + m.to(tl.int64) * K + k, q.to(tl.float8e4nv), mask=k < K)
+    tl.store(s_ptr + m, scale)
+
+
+def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] e4m3, scales [M, 1] float32): x ~ q * scale per token, in one pass
+    (the torch ops of quant_rows_ref take ~6 passes over a float32 copy)."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    block_k = triton.next_power_of_2(k)
+    _quant_rows_kernel[(m,)](x, x.stride(0), q, scales, k, BLOCK_K=block_k, num_warps=8 if block_k >= 8192 else 4)
+    return q, scales
+
+
+def quant_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quant_rows in torch."""
+    scale = x.abs().amax(-1, keepdim=True).to(torch.float32).clamp_min(1e-12) / FP8_MAX
+    return (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def quant_groups(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 128) -> (q [rows, K] e4m3, scales [K / 128, rows] float32): x ~ q
+    * scale per token and 128-column group; rows >= M, the padding cuBLAS wants, are zeros."""
+    m, k = x.shape
+    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((k // 128, rows), dtype=torch.float32, device=x.device)
+    block_g = min(8, triton.next_power_of_2(k // 128))
+    _quant_groups_kernel[(rows, triton.cdiv(k // 128, block_g))](x, x.stride(0), q, scales, m, k, rows,
+                                                                 BLOCK_G=block_g)
+    return q, scales
+
+
+def quant_groups_ref(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quant_groups in torch."""
+    m, k = x.shape
+    xf = torch.zeros((rows, k), dtype=torch.float32, device=x.device)
+    xf[:m] = x.to(torch.float32)
+    groups = xf.view(rows, k // 128, 128)
+    scale = groups.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(rows, k)
+    return q, scale.t().contiguous()
 
 
 @triton.jit
@@ -103,11 +191,47 @@ def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
 
 
 def _scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    x_scale = x.abs().amax(-1, keepdim=True).to(torch.float32).clamp_min(1e-12) / FP8_MAX
-    x_fp8 = (x.to(torch.float32) / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    x_fp8, x_scale = quant_rows(x)
     w_scale = w.scale.to(torch.float32).expand(w.weight.shape[0], 1).reshape(1, -1).contiguous()
     out = torch._scaled_mm(x_fp8, w.weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
     return out if bias is None else out + bias.to(x.dtype)
+
+
+def _scaled_mm_block_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """cuBLAS's blockwise FP8 GEMM: x quantised per token and 128 columns, W's 128x128 scales."""
+    m = x.shape[0]
+    rows = -(-m // 4) * 4  # cuBLAS wants the row count a multiple of 4
+    q, x_scales = quant_groups(x, rows)
+    w_scales = w.scale.to(torch.float32).contiguous()
+    out = torch._scaled_mm(q, w.weight.t(), scale_a=x_scales.t(), scale_b=w_scales.t(), out_dtype=x.dtype)[:m]
+    return out if bias is None else out + bias.to(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def blockwise_scaled_mm_works(device_index: int) -> bool:
+    """Whether torch._scaled_mm computes the 1x128 x 128x128 blockwise recipe right on this GPU
+    (Hopper, CUDA 12.9+ cuBLAS, a torch that passes it through): one small product against the
+    dequantised one, once per device. Elsewhere block scales keep the Triton tile."""
+    gen = torch.Generator(device=f"cuda:{device_index}").manual_seed(0)
+    dev = torch.device("cuda", device_index)
+    x = torch.randn(8, 512, device=dev, generator=gen).to(torch.bfloat16)
+    wf = torch.randn(256, 512, device=dev, generator=gen)
+    scale = wf.view(2, 128, 4, 128).abs().amax(dim=(1, 3)) / FP8_MAX
+    weight = (wf.view(2, 128, 4, 128) / scale[:, None, :, None]).view(256, 512).to(torch.float8_e4m3fn)
+    w = Fp8Weight(weight, scale, (128, 128))
+    try:
+        out = _scaled_mm_block_linear(x, w, None).to(torch.float32)
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+    ref = x.to(torch.float32) @ w.dequantize(torch.float32).T
+    return bool(((out - ref).norm() / ref.norm()) < 5e-2)
+
+
+def _takes_blockwise_scaled_mm(x: torch.Tensor, w: Fp8Weight) -> bool:
+    n, k = w.weight.shape
+    return (w.block == (128, 128) and x.shape[0] >= SCALED_MM_MIN_M and x.dtype in (torch.bfloat16, torch.float16)
+            and k % 512 == 0 and n % 128 == 0 and w.weight.stride(-1) == 1
+            and blockwise_scaled_mm_works(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *, block_n: int | None = None,
@@ -124,6 +248,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
     if on_gpu and w.block is None and x2.shape[0] >= SCALED_MM_MIN_M and k % 16 == 0 and n % 16 == 0 \
             and x.dtype != torch.float32:
         out = _scaled_mm_linear(x2, w, bias)
+    elif on_gpu and w.block is not None and _takes_blockwise_scaled_mm(x2, w):
+        out = _scaled_mm_block_linear(x2, w, bias)
     else:
         out = _triton_fp8_linear(x2, w, bias, on_gpu, block_n, block_k, stages)
     return out.reshape(*lead, n)

@@ -9,6 +9,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from localchat.kernels.attention_decode import _decode_split_kernel
+from localchat.kernels.fp8_linear import _quant_groups_kernel, _quant_rows_kernel
 from localchat.kernels.moe_gemm import moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel
 from localchat.kernels.moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
@@ -120,6 +121,10 @@ CASES += [
             | {"tables_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32",
                "qk_scale": "fp32"}),
      dict(G=8, G_PAD=16, D=64, BLOCK_N=64, NUM_SPLITS=64, HAS_WINDOW=False, HAS_SINKS=True), 4, 2),
+    ("FP8 activations per token and 128 columns", _quant_groups_kernel,
+     _types({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}), dict(BLOCK_G=8), 4, 1),
+    ("FP8 activations per token", _quant_rows_kernel,
+     _types({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}), dict(BLOCK_K=16384), 8, 1),
     ("dense row GEMV", row_gemv_kernel,
      _types({"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
      dict(FORMAT=0, SBN=1, SBK=1, HAS_BIAS=True, M_PAD=1, BLOCK_N=4, BLOCK_K=256, STAGES=3), 4, 3),
