@@ -29,7 +29,12 @@ from .row_gemv import GEMV_MAX_M, gemv_block_n, row_gemv_kernel
 
 FP8_MAX = 448.0
 E4M3_MAX = tl.constexpr(FP8_MAX)
-SCALED_MM_MIN_M = 64
+# From this many tokens the FP8 tensor-core GEMMs (torch._scaled_mm) beat the Triton tile. H200,
+# 48 tokens (bench/bench_fp8_linear.py): channel scales 12288x4096 29.8 -> 26.2 us, 4096x12288
+# 53.2 -> 38.0, 2816x4096 18.7 -> 15.6 (4096x1408: 8.4 -> 9.3); block scales 36.3 -> 20.3, 67.0
+# -> 39.1, 22.4 -> 16.3. At 32 tokens and below the tile wins or ties (cuBLAS's small-M tiles
+# read the weight at ~40% of copy).
+SCALED_MM_MIN_M = 33
 # Software-pipeline depth of the row GEMV over K. H200, 128x128 block scales, 1 token, weights out
 # of L2 (bench/bench_row_gemv.py): 4 stages against none, GLM-4.5V q/k/v 28.1 -> 24.7 us, o_proj
 # 56.5 -> 49.1 us, shared expert gate/up 19.5 -> 15.6 us.
@@ -148,7 +153,10 @@ def _gemv_block_k(fmt: int, sbk: int) -> int:
 
 def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, on_gpu: bool,
                        block_n: int | None = None, block_k: int | None = None,
-                       stages: int | None = None) -> torch.Tensor:
+                       stages: int | None = None, tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """The Triton paths: the row GEMV up to GEMV_MAX_M tokens (block_n, block_k, stages override
+    its tile), else the tile kernel (tile: (block_m, block_n, block_k, warps, stages) overrides
+    its choice; benchmarks)."""
     m, k = x.shape
     n = w.weight.shape[0]
     if w.block is None:
@@ -176,9 +184,16 @@ def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
             M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k if on_gpu else min(block_k, 32),
             STAGES=(stages or FP8_GEMV_STAGES) if on_gpu else 1, num_warps=4)
         return out
-    if on_gpu:
+    if tile is not None:
+        block_m, block_n, block_k, warps, stages = tile
+    elif on_gpu:
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
         block_n, block_k, warps, stages = (32, 128, 4, 4) if m <= 32 else (64, 128, 4, 3)
+        if fmt == FMT_FP8_ROW and m <= 32:
+            # K steps of 256, 3 stages: H200, channel scales, 4-16 tokens (bench/bench_fp8_linear.py --tiles)
+            # 4096x12288 31.9 -> 27.6 us, 12288x4096 20.8 -> 19.4, 2816x4096 12.0 -> 10.8, 4096x1408
+            # even; block scales measured no better than the steps of 128
+            block_k, stages = 256, 3
     else:
         block_m, block_n, block_k, warps, stages = 16, 32, 32, 1, 1
     if fmt == FMT_FP8_BLK and sbk % block_k:
