@@ -2,7 +2,7 @@
 
 Decode sizes (M <= 2): a row-streaming Triton kernel reads W once in wide slabs and reduces
 each token against it with FMAs, split over N so 1 token fills the GPU. Medium M: the weight-only
-tile kernel of the MoE GEMMs with one "expert". Large M on CUDA: torch._scaled_mm on FP8 tensor
+tile kernel of the MoE GEMMs with one "expert". From 33 tokens on CUDA: torch._scaled_mm on FP8 tensor
 cores. Channel/tensor scales: the activations quantised per token on the fly (dynamic scales, as
 compressed-tensors FP8_DYNAMIC checkpoints expect, models.md B). 128x128 block scales: cuBLAS's
 blockwise recipe (CUDA 12.9+, Hopper; reached through torch._scaled_mm since pytorch/pytorch
