@@ -1,6 +1,8 @@
 """Where one decode step's GPU time goes: the kernels of an eager decode step of a registered
-model (full width, a few layers, random weights), grouped by name, with counts per layer.
+model (full width, a few layers, random weights), grouped by name, with counts per layer;
+--prefill N profiles the prefill of one N-token prompt instead.
     python bench/profile_step.py gpt-oss-120b --layers 4 --batch 1
+    python bench/profile_step.py glm-4.5v-fp8 --layers 4 --prefill 2048
 """
 import argparse
 
@@ -17,21 +19,25 @@ p.add_argument("--layers", type=int, default=4)
 p.add_argument("--batch", type=int, default=1)
 p.add_argument("--context", type=int, default=512)
 p.add_argument("--trace", action="store_true", help="also list the step's kernels in launch order")
+p.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
 args = p.parse_args()
 for name in args.models.split(","):
     spec, _, model = dummy_model(name, args.layers)
-    blocks = -(-(args.context + 1) // 16)
-    cache = PagedKVCache(spec.num_layers, blocks * args.batch, 16, spec.num_kv_heads, spec.head_dim,
+    prompt = args.prefill
+    seqs, new = (1, prompt) if prompt else (args.batch, 1)
+    blocks = -(-(args.context + new) // 16)
+    cache = PagedKVCache(spec.num_layers, blocks * seqs, 16, spec.num_kv_heads, spec.head_dim,
                          torch.bfloat16, "cuda")
-    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(args.batch)]
-    pos = torch.full((args.batch,), args.context)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(seqs)]
+    pos = torch.arange(prompt) if prompt else torch.full((seqs,), args.context)
     if spec.family == "glm4v_moe":
         pos = pos.expand(3, -1)
-    batch = ForwardBatch.build([(t, args.context, 1) for t in tables], pos, 16, "cuda")
-    ids = torch.randint(1000, 100000, (args.batch,), device="cuda")
+    batch = ForwardBatch.build([(t, 0 if prompt else args.context, new) for t in tables], pos, 16, "cuda")
+    ids = torch.randint(1000, 100000, (seqs * new,), device="cuda")
 
-    def step():
-        return model.logits(model.forward(model.embed(ids), batch, cache))
+    def step():  # a prefill's logits are the last token's only, as the engine takes them
+        h = model.forward(model.embed(ids), batch, cache)
+        return model.logits(h[-1:] if prompt else h)
 
     with torch.inference_mode():
         for _ in range(3):
@@ -43,7 +49,8 @@ for name in args.models.split(","):
     rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     rows.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in rows)
-    print(f"{name}: {args.layers} layers, batch {args.batch}: {sum(e.count for e in rows)} kernels, "
+    what = f"a {prompt}-token prefill" if prompt else f"batch {args.batch}"
+    print(f"{name}: {args.layers} layers, {what}: {sum(e.count for e in rows)} kernels, "
           f"{total:.0f} us of kernel time in one eager step")
     for e in rows[:25]:
         print(f"  {e.device_time_total:8.1f} us {100 * e.device_time_total / total:5.1f}%  x{e.count:4d} "

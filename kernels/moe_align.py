@@ -4,6 +4,15 @@ Pair p = t * top_k + j is token t's j-th expert `topk_ids[t, j]`. Each expert's 
 out contiguously (in pair order) and padded up to a multiple of BLOCK_M, so that one GEMM
 program (one M-block) only ever touches one expert's weights. Sizes are worst-case bounds that
 depend only on (T, top_k, E, BLOCK_M), which keeps the launch shapes fixed for CUDA graphs.
+
+Decode sizes go through one Triton program (_align_kernel: two passes over the pairs in chunks,
+one launch). It walks the pairs serially, so long prefills' pairs take it hundreds of
+microseconds a layer (H200: 335 us at 8192 pairs, 660 us at 16384, GLM-4.5V's 2048-token
+prompt); from ALIGN_SORT_MIN_PAIRS pairs a stable sort and a few scans in torch (_align_by_sort,
+no host synchronisation) do the same grouping instead. The sort's ~15 launches cost more host
+time than one launch (0.5-1 ms a call launched eagerly on the H200 machine,
+bench/bench_moe_align.py), which only a prefill keeping the GPU busy for milliseconds a layer
+hides; hence the high threshold.
 """
 from __future__ import annotations
 
@@ -61,12 +70,45 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, E, P_MAX, B_MAX,
         tl.store(block_expert_ptr + b, expert, mask=b < B_MAX)
 
 
+def _align_by_sort(topk_ids: torch.Tensor, num_experts: int, block_m: int, p_max: int,
+                   b_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align's result from a stable sort of the pairs by expert (pairs of id -1 last and
+    dropped), without reading anything back to the host."""
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs, dev = ids.numel(), ids.device
+    key = torch.where(ids >= 0, ids, num_experts)  # the pairs no expert here takes sort last
+    order = torch.sort(key, stable=True).indices  # grouped by expert, pair order within each
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    first_sorted = torch.cumsum(counts, 0) - counts  # where each expert's pairs begin in `order`
+    expert = key[order]
+    real = expert < num_experts
+    e = expert.clamp(max=num_experts - 1)
+    rank = torch.arange(num_pairs, device=dev) - first_sorted[e]
+    slot = torch.where(real, ends[e] - padded[e] + rank, p_max)  # dropped pairs land past the end
+    sorted_ids = torch.full((p_max + 1,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, slot, order.to(torch.int32))
+    start = torch.arange(b_max, device=dev) * block_m
+    block_expert = torch.searchsorted(ends, start, right=True)
+    block_expert = torch.where(start < ends[-1], block_expert, -1).to(torch.int32)
+    return sorted_ids[:p_max], block_expert
+
+
+# From this many pairs the sort replaces the one-program kernel (GLM-4.5V-FP8, 2048-token prompt
+# = 16384 pairs: time to first token 240.9 -> 218.7 ms; BENCHMARKS.md)
+ALIGN_SORT_MIN_PAIRS = 8192
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] int -> sorted_ids [P_MAX] int32 (pair indices grouped by expert, padding
     slots hold P = T*k), block_expert [B_MAX] int32 (expert of each BLOCK_M slice, -1 unused)."""
     num_pairs = topk_ids.numel()
     p_max, b_max = padded_sizes(num_pairs, num_experts, block_m)
     dev = topk_ids.device
+    if num_pairs >= ALIGN_SORT_MIN_PAIRS:
+        return _align_by_sort(topk_ids, num_experts, block_m, p_max, b_max)
     sorted_ids = torch.empty(p_max, dtype=torch.int32, device=dev)
     block_expert = torch.empty(b_max, dtype=torch.int32, device=dev)
     if num_pairs == 0:
