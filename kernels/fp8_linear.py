@@ -190,9 +190,9 @@ def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
         block_n, block_k, warps, stages = (32, 128, 4, 4) if m <= 32 else (64, 128, 4, 3)
         if fmt == FMT_FP8_ROW and m <= 32:
-            # K steps of 256, 3 stages: H200, channel scales, 4-16 tokens (bench/bench_fp8_linear.py --tiles)
-            # 4096x12288 31.9 -> 27.6 us, 12288x4096 20.8 -> 19.4, 2816x4096 12.0 -> 10.8, 4096x1408
-            # even; block scales measured no better than the steps of 128
+            # K steps of 256, 3 stages: H200, channel scales, 4-32 tokens (bench/bench_fp8_linear.py
+            # --tiles), at 4 tokens 4096x12288 31.9 -> 27.6 us, 12288x4096 20.8 -> 19.4, 2816x4096
+            # 12.0 -> 10.8, 4096x1408 even; block scales measured no better than steps of 128
             block_k, stages = 256, 3
     else:
         block_m, block_n, block_k, warps, stages = 16, 32, 32, 1, 1
@@ -244,9 +244,10 @@ def blockwise_scaled_mm_works(device_index: int) -> bool:
 
 def _takes_blockwise_scaled_mm(x: torch.Tensor, w: Fp8Weight) -> bool:
     n, k = w.weight.shape
-    return (w.block == (128, 128) and x.shape[0] >= SCALED_MM_MIN_M and x.dtype in (torch.bfloat16, torch.float16)
-            and k % 512 == 0 and n % 128 == 0 and w.weight.stride(-1) == 1
-            and blockwise_scaled_mm_works(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    if not (w.block == (128, 128) and x.shape[0] >= SCALED_MM_MIN_M and x.dtype in (torch.bfloat16, torch.float16)
+            and k % 512 == 0 and n % 128 == 0 and w.weight.stride(-1) == 1):
+        return False
+    return blockwise_scaled_mm_works(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *, block_n: int | None = None,
