@@ -16,10 +16,6 @@ from bench_kernels import event_time_us  # noqa: E402
 from localchat.kernels import moe_align as ma  # noqa: E402
 
 
-def eager_us(fn) -> float:
-    return event_time_us(fn, reps=20)
-
-
 def main() -> None:
     for e, k, block_m in ((128, 8, 64), (128, 4, 64), (128, 8, 16)):
         for t in (16, 32, 64, 128, 256, 512, 2048):
@@ -28,17 +24,15 @@ def main() -> None:
             p_max, b_max = ma.padded_sizes(pairs, e, block_m)
 
             def kernel():
-                ma._align_kernel[(1,)](ids.reshape(-1), torch.empty(p_max, dtype=torch.int32, device="cuda"),
-                                       torch.empty(b_max, dtype=torch.int32, device="cuda"), pairs, e, p_max, b_max,
-                                       BLOCK_M=block_m, E_PAD=128, CHUNK=64, num_warps=8)
+                return ma._align_by_kernel(ids, e, block_m, p_max, b_max)
 
             def by_sort():
                 return ma._align_by_sort(ids, e, block_m, p_max, b_max)
 
             got, ref = by_sort(), ma.moe_align_ref(ids, e, block_m)
             ok = torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-            print(f"E={e} k={k} block_m={block_m} T={t} pairs={pairs}: one-program kernel {eager_us(kernel):.1f} us, "
-                  f"sort {eager_us(by_sort):.1f} us, sort == reference {ok}", flush=True)
+            print(f"E={e} k={k} block_m={block_m} T={t} pairs={pairs}: one-program kernel {event_time_us(kernel, reps=20):.1f} us, "
+                  f"sort {event_time_us(by_sort, reps=20):.1f} us, sort == reference {ok}", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,17 +18,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kerne
 from kernel_checks import cuda_time_us, quantize_fp8_blocks, rel_err  # noqa: E402
 
 from localchat.engine.weights.formats import Fp8Weight  # noqa: E402
-from localchat.kernels.fp8_linear import _triton_fp8_linear  # noqa: E402
+from localchat.kernels.fp8_linear import _triton_fp8_linear, quant_groups_ref  # noqa: E402
 
 print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())
 
 
 def quant_1x128(x):
-    m, k = x.shape
-    g = x.float().view(m, k // 128, 128)
-    s = g.abs().amax(-1).clamp_min(1e-12) / 448.0
-    q = (g / s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(m, k)
-    return q, s  # dequant: q * s
+    """-> (q [M, K] e4m3, scales [M, K / 128], outer-dim-major as cuBLAS wants them): x ~ q * s."""
+    q, scales = quant_groups_ref(x, x.shape[0])
+    return q, scales.t()
 
 
 def ref_deq(q, s, w, ws):
@@ -43,8 +41,8 @@ for n, k in ((12288, 4096), (4096, 12288), (2816, 4096), (4096, 1408), (4096, 15
     fw = Fp8Weight(w, ws, (128, 128))
     for m in (64, 512, 2048, 8192):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        q, s = quant_1x128(x)
-        ref = ref_deq(q, s, w, ws)
+        q, sa = quant_1x128(x)
+        ref = ref_deq(q, sa, w, ws)
         kb = ws.shape[1]
         l4 = -(-kb // 4) * 4
         wsp = torch.zeros(ws.shape[0], l4, device="cuda")
@@ -55,7 +53,6 @@ for n, k in ((12288, 4096), (4096, 12288), (2816, 4096), (4096, 1408), (4096, 15
             "sb=pad.t()": wsp.t(),
             "sb=pad.t()[:kb]": wsp.t()[:kb],
         }
-        sa = s.t().contiguous().t()
         line = f"N={n} K={k} M={m}:"
         for name, sb in variants.items():
             try:

@@ -52,6 +52,12 @@ def _e4m3_round(v):
 
 
 @triton.jit
+def _scaled_e4m3(x, scale):
+    """x / scale (float32), saturated to e4m3's range and rounded -> e4m3."""
+    return _e4m3_round(tl.minimum(tl.maximum(x / scale, -E4M3_MAX), E4M3_MAX)).to(tl.float8e4nv)
+
+
+@triton.jit
 def _quant_groups_kernel(x_ptr, stride_xm, q_ptr, s_ptr, M, K, M_PAD, BLOCK_G: tl.constexpr):
     """Program (row m, BLOCK_G groups of 128 columns): s = amax(|x[m, group]|) / 448, q[m, k] =
     e4m3(x[m, k] / s); s stored transposed, s_ptr [K / 128, M_PAD]. Rows M..M_PAD-1 (padding)
@@ -63,8 +69,7 @@ def _quant_groups_kernel(x_ptr, stride_xm, q_ptr, s_ptr, M, K, M_PAD, BLOCK_G: t
     real = k < (tl.where(m < M, K, 0))  # padding rows read nothing
     x = tl.load(x_ptr + m.to(tl.int64) * stride_xm + k, mask=mask & real, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / E4M3_MAX
-    q = _e4m3_round(tl.minimum(tl.maximum(x / scale[:, None], -E4M3_MAX), E4M3_MAX))
-    tl.store(q_ptr + m.to(tl.int64) * K + k, q.to(tl.float8e4nv), mask=mask)
+    tl.store(q_ptr + m.to(tl.int64) * K + k, _scaled_e4m3(x, scale[:, None]), mask=mask)
     tl.store(s_ptr + g * M_PAD + m, scale, mask=g < K // 128)
 
 
@@ -75,8 +80,7 @@ def _quant_rows_kernel(x_ptr, stride_xm, q_ptr, s_ptr, K, BLOCK_K: tl.constexpr)
     k = tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + m.to(tl.int64) * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / E4M3_MAX
-    q = _e4m3_round(tl.minimum(tl.maximum(x / scale, -E4M3_MAX), E4M3_MAX))
-    tl.store(q_ptr + m.to(tl.int64) * K + k, q.to(tl.float8e4nv), mask=k < K)
+    tl.store(q_ptr + m.to(tl.int64) * K + k, _scaled_e4m3(x, scale), mask=k < K)
     tl.store(s_ptr + m, scale)
 
 

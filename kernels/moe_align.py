@@ -101,14 +101,10 @@ def _align_by_sort(topk_ids: torch.Tensor, num_experts: int, block_m: int, p_max
 ALIGN_SORT_MIN_PAIRS = 8192
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_ids [T, k] int -> sorted_ids [P_MAX] int32 (pair indices grouped by expert, padding
-    slots hold P = T*k), block_expert [B_MAX] int32 (expert of each BLOCK_M slice, -1 unused)."""
-    num_pairs = topk_ids.numel()
-    p_max, b_max = padded_sizes(num_pairs, num_experts, block_m)
-    dev = topk_ids.device
-    if num_pairs >= ALIGN_SORT_MIN_PAIRS:
-        return _align_by_sort(topk_ids, num_experts, block_m, p_max, b_max)
+def _align_by_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int, p_max: int,
+                     b_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align's result from the one-program kernel (one launch)."""
+    num_pairs, dev = topk_ids.numel(), topk_ids.device
     sorted_ids = torch.empty(p_max, dtype=torch.int32, device=dev)
     block_expert = torch.empty(b_max, dtype=torch.int32, device=dev)
     if num_pairs == 0:
@@ -120,6 +116,15 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     _align_kernel[(1,)](ids, sorted_ids, block_expert, num_pairs, num_experts, p_max, b_max,
                         BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, num_warps=8)
     return sorted_ids, block_expert
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] int -> sorted_ids [P_MAX] int32 (pair indices grouped by expert, padding
+    slots hold P = T*k), block_expert [B_MAX] int32 (expert of each BLOCK_M slice, -1 unused)."""
+    num_pairs = topk_ids.numel()
+    p_max, b_max = padded_sizes(num_pairs, num_experts, block_m)
+    align = _align_by_sort if num_pairs >= ALIGN_SORT_MIN_PAIRS else _align_by_kernel
+    return align(topk_ids, num_experts, block_m, p_max, b_max)
 
 
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
