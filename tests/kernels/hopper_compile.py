@@ -10,6 +10,7 @@ from triton.compiler import ASTSource
 
 from localchat.kernels.attention_decode import _decode_split_kernel
 from localchat.kernels.fp8_linear import _quant_groups_kernel, _quant_rows_kernel
+from localchat.kernels.moe_align import _align_count_kernel, _align_scatter_kernel
 from localchat.kernels.moe_gemm import moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel
 from localchat.kernels.moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
@@ -112,6 +113,12 @@ CASES += [
              "arrivals_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i32", "scaling": "fp32"}),
      dict(TOP_K=8, K_PAD=8, E_PAD=128, S_PAD=64, NUM_SPLITS=64, BLOCK_T=1, BLOCK_K=64, SCORING=0, HAS_BIAS=False,
           HAS_SEL_BIAS=True, RENORMALIZE=True, ROUND=False), 2, 1),
+    # the chunked grouping as launched for 8192 pairs over 128 experts, BLOCK_M 64 (_align_by_chunks)
+    ("MoE align counts per chunk", _align_count_kernel, _types({"ids_ptr": "*i32", "counts_ptr": "*i32"}),
+     dict(E_PAD=128, CHUNK=64, SUB=64), 4, 1),
+    ("MoE align scatter per chunk", _align_scatter_kernel,
+     _types({"ids_ptr": "*i32", "counts_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}),
+     dict(BLOCK_M=64, BM_PAD=64, E_PAD=128, CHUNK=64, SUB=64, ROWS=32, PAD_COLS=32, SLOTS=128, BLOCKS=2), 4, 1),
     ("rotary + paged cache write, GLM-4.5V heads", _rotary_kernel,
      _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "v_ptr", "kc_ptr", "vc_ptr")}
             | {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i32"}),

@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from localchat.kernels.moe_align import ALIGN_SORT_MIN_PAIRS, _align_by_sort, moe_align, moe_align_ref, padded_sizes
+from localchat.kernels import moe_align as align_mod
+from localchat.kernels.moe_align import (ALIGN_CHUNKS_MIN_PAIRS, ALIGN_CHUNKS_MIN_PAIRS_IN_GRAPH, _align_by_chunks,
+                                         _align_by_kernel, moe_align, moe_align_ref, padded_sizes)
 from localchat.kernels.moe_routing import route_glm, route_glm_ref, route_gpt_oss, route_gpt_oss_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,19 +68,83 @@ def test_moe_align_groups_pairs_by_expert(t, k, e, block_m):
     assert torch.equal(sorted_ids.cpu(), ref_sorted.cpu())
 
 
-@pytest.mark.parametrize("t,k,e,block_m,dropped", [(1, 8, 128, 16, 0.0), (13, 4, 32, 16, 0.3), (40, 2, 5, 8, 0.0),
-                                                   (3, 2, 64, 32, 0.5), (300, 4, 32, 64, 0.2),
-                                                   (2048, 4, 32, 64, 0.2)])
-def test_align_by_sort_matches_the_kernel_and_reference(t, k, e, block_m, dropped):
-    # the prefill-size path against the one-program kernel at sizes both take, pairs of id -1
-    # included; the last case (8192 pairs) is one moe_align sends to the sort
+@pytest.mark.parametrize("t,k,e,block_m,dropped", [(13, 4, 32, 16, 0.3), (40, 2, 5, 8, 0.0), (300, 4, 32, 64, 0.2)])
+def test_align_by_chunks_matches_the_one_program_kernel(t, k, e, block_m, dropped):
+    # the two paths at sizes both could take, pairs of id -1 included
     ids = _skewed_ids(t, k, e, dropped)
     p_max, b_max = padded_sizes(ids.numel(), e, block_m)
-    by_sort = _align_by_sort(ids, e, block_m, p_max, b_max)
+    chunks = _align_by_chunks(ids, e, block_m, p_max, b_max)
+    kernel = _align_by_kernel(ids, e, block_m, p_max, b_max)
+    assert torch.equal(chunks[0], kernel[0]) and torch.equal(chunks[1], kernel[1])
+
+
+def _poisoned_empty(real_empty):
+    """torch.empty whose int32 tensors come filled with a value no result holds, so that a slot
+    the launcher leaves unwritten shows."""
+    def empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(-7) if out.dtype == torch.int32 else out
+    return empty
+
+
+@pytest.mark.parametrize("t,k,e,block_m,dropped,max_chunks", [
+    (1, 8, 128, 16, 0.0, None),  # one chunk, mostly empty, most experts without a pair
+    (3, 2, 5, 8, 0.0, None),  # E not a power of two, 6 pairs
+    (8, 8, 128, 16, 0.0, None),  # exactly one full chunk; block_expert in two steps
+    (16, 4, 32, 64, 0.2, None),  # one chunk whose tail slots take three steps
+    (300, 4, 32, 16, 0.2, None),  # several chunks, the last one partial, pairs dropped
+    (700, 2, 5, 8, 0.1, None),
+    (257, 8, 128, 64, 0.3, None),  # 33 chunks (counts read in two steps), 8 pairs in the last
+    (40, 8, 256, 16, 0.0, None),  # 256 experts: each chunk in two steps of pairs
+    (257, 8, 128, 64, 0.0, 4),  # chunks grown to 1024 pairs by the cap on their number
+    (1024, 4, 32, 16, 0.1, None),  # 4096 pairs, 64 chunks
+])
+def test_align_by_chunks_matches_reference(t, k, e, block_m, dropped, max_chunks, monkeypatch):
+    ids = _skewed_ids(t, k, e, dropped)
+    p_max, b_max = padded_sizes(ids.numel(), e, block_m)
+    if max_chunks:
+        monkeypatch.setattr(align_mod, "ALIGN_MAX_CHUNKS", max_chunks)
+    monkeypatch.setattr(torch, "empty", _poisoned_empty(torch.empty))
+    got = _align_by_chunks(ids, e, block_m, p_max, b_max)
+    monkeypatch.undo()
     ref = moe_align_ref(ids, e, block_m)
-    assert torch.equal(by_sort[0].cpu(), ref[0].cpu()) and torch.equal(by_sort[1].cpu(), ref[1].cpu())
-    if ids.numel() < ALIGN_SORT_MIN_PAIRS:
-        kernel = moe_align(ids, e, block_m)
-        assert torch.equal(by_sort[0], kernel[0]) and torch.equal(by_sort[1], kernel[1])
-    else:
-        assert torch.equal(moe_align(ids, e, block_m)[0], by_sort[0])
+    assert torch.equal(got[0].cpu(), ref[0].cpu()) and torch.equal(got[1].cpu(), ref[1].cpu())
+
+
+@pytest.mark.parametrize("t,k,e,block_m,expert", [(300, 4, 128, 64, 7), (40, 8, 5, 8, 4), (300, 4, 32, 16, -1)])
+def test_align_by_chunks_one_expert_or_none(t, k, e, block_m, expert, monkeypatch):
+    # every pair on one expert (the last one, or one in the middle), or every pair dropped
+    ids = torch.full((t, k), expert, dtype=torch.int32, device=DEV)
+    p_max, b_max = padded_sizes(ids.numel(), e, block_m)
+    monkeypatch.setattr(torch, "empty", _poisoned_empty(torch.empty))
+    got = _align_by_chunks(ids, e, block_m, p_max, b_max)
+    monkeypatch.undo()
+    ref = moe_align_ref(ids, e, block_m)
+    assert torch.equal(got[0].cpu(), ref[0].cpu()) and torch.equal(got[1].cpu(), ref[1].cpu())
+
+
+def test_moe_align_picks_the_path_by_size(monkeypatch):
+    picked = []
+    for name in ("_align_by_kernel", "_align_by_chunks"):
+        monkeypatch.setattr(align_mod, name, lambda *args, name=name: picked.append(name))
+    for pairs in (ALIGN_CHUNKS_MIN_PAIRS - 1, ALIGN_CHUNKS_MIN_PAIRS, 1 << 17):
+        moe_align(torch.zeros(pairs, 1, dtype=torch.int32), 8, 16)
+    assert picked == ["_align_by_kernel", "_align_by_chunks", "_align_by_chunks"]
+
+
+@pytest.mark.gpu
+def test_moe_align_in_a_cuda_graph_takes_the_chunks_earlier():
+    # captured: the chunked path from ALIGN_CHUNKS_MIN_PAIRS_IN_GRAPH pairs, replayed on new ids
+    # written into the captured input
+    e, block_m, t, k = 128, 16, 64, 8
+    assert ALIGN_CHUNKS_MIN_PAIRS_IN_GRAPH <= t * k < ALIGN_CHUNKS_MIN_PAIRS
+    ids = _skewed_ids(t, k, e, 0.1).cuda()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sorted_ids, block_expert = moe_align(ids, e, block_m)
+    for _ in range(3):
+        ids.copy_(_skewed_ids(t, k, e, 0.1).cuda())
+        graph.replay()
+        ref = moe_align_ref(ids, e, block_m)
+        assert torch.equal(sorted_ids, ref[0]) and torch.equal(block_expert, ref[1])
