@@ -4,11 +4,10 @@ call's reads (bench_kernels.py repeats one call, whose 17-34 MB at batch 1 then 
 from L2).
 
     python bench/bench_attention_splits.py [--batches 1,8] [--ctx 8192,512] [--splits 0,32,64,128,256] [--block-n 32,64]
-        [--warps 4] [--stages 2] [--fold 0,1]
+        [--warps 4] [--stages 2]
 
 Split count 0 is the default (attention_decode.default_num_splits); 1 finishes the rows in the
-split kernel (no combine launch); fold 1 has the last split of each KV head merge the splits
-(no combine launch; at most attention_decode.FOLD_MAX_SPLITS splits). Every candidate's output is checked against the default's
+split kernel (no combine launch). Every candidate's output is checked against the default's
 before it is timed.
 """
 from __future__ import annotations
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kerne
 from bench_moe_sweep import COPY_CEILING_GBS, copies_out_of_l2, graph_time_us  # noqa: E402
 from kernel_checks import rel_err  # noqa: E402
 
-from localchat.kernels.attention_decode import FOLD_MAX_SPLITS, default_num_splits, paged_decode_attention  # noqa: E402
+from localchat.kernels.attention_decode import default_num_splits, paged_decode_attention  # noqa: E402
 
 CASES = [("gpt-oss full", 64, 8, 64, True), ("GLM-4.5V", 96, 8, 128, False)]
 BLOCK_SIZE = 16
@@ -51,7 +50,6 @@ def main() -> None:
     parser.add_argument("--block-n", default="32,64")
     parser.add_argument("--warps", default="4")
     parser.add_argument("--stages", default="2")
-    parser.add_argument("--fold", default="0", help="0: combine launch, 1: merged by the last split")
     args = parser.parse_args()
     torch.manual_seed(0)
     for ctx_len in (int(c) for c in args.ctx.split(",")):
@@ -67,15 +65,14 @@ def run_context(args, ctx_len: int) -> None:
             q = torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16)
             s = torch.randn(hq, device="cuda") if sinks else None
             ref = paged_decode_attention(q, *caches[0][:2], caches[0][2], ctx, d ** -0.5, s).float()
-            variants = [(int(bn), int(nw), int(ns), bool(int(f))) for bn in args.block_n.split(",")
-                        for nw in args.warps.split(",") for ns in args.stages.split(",")
-                        for f in args.fold.split(",")]
-            for block_n, warps, stages, fold in variants:
+            variants = [(int(bn), int(nw), int(ns)) for bn in args.block_n.split(",")
+                        for nw in args.warps.split(",") for ns in args.stages.split(",")]
+            for block_n, warps, stages in variants:
                 for splits in (int(v) for v in args.splits.split(",")):
                     n = splits or default_num_splits(bsz, hkv, ctx_len, block_n, head_dim=d)
-                    if n > ctx_len // block_n or (fold and (n == 1 or n > FOLD_MAX_SPLITS)):
+                    if n > ctx_len // block_n:
                         continue
-                    opts = dict(num_splits=n, block_n=block_n, num_warps=warps, num_stages=stages, fold=fold)
+                    opts = dict(num_splits=n, block_n=block_n, num_warps=warps, num_stages=stages)
                     try:
                         err = rel_err(paged_decode_attention(q, *caches[0][:2], caches[0][2], ctx, d ** -0.5, s,
                                                              **opts), ref)
@@ -84,7 +81,7 @@ def run_context(args, ctx_len: int) -> None:
                     us = graph_time_us([lambda c=c, o=opts: paged_decode_attention(
                         q, c[0], c[1], c[2], ctx, d ** -0.5, s, **o) for c in caches])
                     gbs = kv_bytes / us / 1e3
-                    tag = (" fold" if fold else "") + (" (default)" if not splits else "")
+                    tag = " (default)" if not splits else ""
                     print(f"{name} B={bsz} ctx={ctx_len} block_n={block_n} w{warps} s{stages} splits={n}{tag}: "
                           f"{us:.1f} us, {gbs:.0f} GB/s, {gbs / COPY_CEILING_GBS:.0%} of copy, rel err {err:.1e}",
                           flush=True)

@@ -58,8 +58,7 @@ def main() -> None:
                         "half2 (MXFP4 packed f16), e.g. gemv:32:256:4:3,gemv4:32:256:4:3,tile16:64:128:4:4; options of gemv "
                         "after slashes: c sums each token's rows in the down kernel, dN:K:W:S is the down "
                         "kernel's tile (gemv:16:256:2:3/d64:256:4:3/c); of half2: tK, the K step after the last "
-                        "whole one (half2:8:256:1:3/t256: one masked step), o gate/up and down in one launch, pK "
-                        "with it the down programs' first K codes loaded before they wait (half2:8:256:1:3/o/p1024)")
+                        "whole one (half2:8:256:1:3/t256: one masked step)")
     args = parser.parse_args()
     torch.manual_seed(0)
     for key in args.only.split(","):
@@ -86,13 +85,9 @@ def main() -> None:
                 bm = 1 if kind == "half2" else int(kind[4:] or 1)
                 cfg = MoeConfig(bm, int(bn), int(bk), int(nw), int(ns), gemv=not kind.startswith("tile"),
                                 mx_half2=kind == "half2")
-                for opt in options:  # gemv with one pair per program: c, dN:K:W:S; half2: tK, o, pK
+                for opt in options:  # gemv with one pair per program: c, dN:K:W:S; half2: tK
                     if opt == "c":
                         cfg = replace(cfg, fused_combine=True)
-                    elif opt == "o":
-                        cfg = replace(cfg, one_launch=True)
-                    elif opt.startswith("p"):
-                        cfg = replace(cfg, preload_k=int(opt[1:]))
                     elif opt.startswith("t"):
                         cfg = replace(cfg, tail_k=int(opt[1:]))
                     elif opt.startswith("d"):

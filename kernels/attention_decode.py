@@ -10,13 +10,13 @@ Sinks: one logit per query head added to the softmax denominator with no value.
 Flash-decoding: grid (B, kv_heads, num_splits); each program serves all G = Hq / Hkv query
 heads of one KV head (the K/V tile is read once for the group) over one slice of the keys and
 writes an unnormalised partial (acc, max, sum); a combine kernel merges the slices and adds
-the sink. With one split (short key ranges at large batches, sliding-window layers) the
-program finishes the rows itself and there is no combine launch. With `fold`, the last split
-program of each (sequence, KV head) to finish merges that group's partials itself (arrival
-counts, as the MoE router does): one launch instead of two, paid for by one program reading
-every split's partials, which only few splits make cheap (at 64 splits a merge of one head per
-step measured 1.5-9x slower than the combine launch). num_splits depends only on static shapes,
-so the launch is CUDA-graph safe.
+the sink. The last split program of each KV head merging them instead (arrival counts, as the
+MoE router does) measured 1.5-9x slower at 64 splits, one head after another; with 8-32 splits
+and all of them loaded at once it was 0.5-3 us slower than the same splits with the combine
+launch from 16 splits, and fewer splits were slower anyway (BENCHMARKS.md, Kernels, 2026-12-04 late). With one
+split (short key ranges at large batches, sliding-window layers) the program finishes the rows
+itself and there is no combine launch. num_splits depends only on static shapes, so the launch
+is CUDA-graph safe.
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .arrivals import arrival_counts
 from .gpu_facts import MEASURED_SMS, sm_count
 
 LOG2E = 1.4426950408889634
@@ -32,11 +31,10 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, mid_ml_ptr, sinks_ptr, out_ptr,
-                         arrivals_ptr, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                          stride_tb, stride_ob, stride_oh, qk_scale, window, block_size, HQ,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-                         FOLD: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -77,54 +75,20 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
         m = m_new
 
     if NUM_SPLITS == 1:  # the whole key range: finish as the combine would
-        _finish_rows(acc, m, l, sinks_ptr, out_ptr + b * stride_ob, stride_oh, heads, g_mask, d, HAS_SINKS)
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_all = tl.maximum(m, sink)
+            alpha = tl.exp2(m - m_all)
+            l = l * alpha + tl.exp2(sink - m_all)
+            acc = acc * alpha[:, None]
+        out = acc / l[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=g_mask[:, None])
     else:
         row = (b * HQ + heads) * NUM_SPLITS + split
         tl.store(mid_o_ptr + row[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
         tl.store(mid_ml_ptr + row * 2, m, mask=g_mask)
         tl.store(mid_ml_ptr + row * 2 + 1, l, mask=g_mask)
-        if FOLD:
-            slot = arrivals_ptr + b * tl.num_programs(1) + kvh
-            tl.debug_barrier()  # every thread's partials are stored before this program's arrival
-            arrived = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
-                # Splits merged in split order, whoever arrives last. Unrolled with no reduction
-                # across threads in between, so every split's loads can be in flight together
-                # (a loop over heads with a reduction per head waited for each head's loads).
-                # The partials come from other programs of this launch: read through L2.
-                m = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
-                l = tl.zeros((G_PAD,), dtype=tl.float32)
-                acc = tl.zeros((G_PAD, D), dtype=tl.float32)
-                for other in tl.static_range(NUM_SPLITS):
-                    r = (b * HQ + heads) * NUM_SPLITS + other
-                    m_s = tl.load(mid_ml_ptr + r * 2, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-                    l_s = tl.load(mid_ml_ptr + r * 2 + 1, mask=g_mask, other=0.0, cache_modifier=".cg")
-                    o_s = tl.load(mid_o_ptr + r[:, None] * D + d[None, :], mask=g_mask[:, None], other=0.0,
-                                  cache_modifier=".cg")
-                    m_new = tl.maximum(m, m_s)
-                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # both empty: no NaN from -inf - -inf
-                    alpha = tl.exp2(m - m_ref)
-                    beta = tl.exp2(m_s - m_ref)
-                    l = l * alpha + l_s * beta
-                    acc = acc * alpha[:, None] + o_s * beta[:, None]
-                    m = m_new
-                _finish_rows(acc, m, l, sinks_ptr, out_ptr + b * stride_ob, stride_oh, heads, g_mask, d, HAS_SINKS)
-                tl.store(slot, 0)
-
-
-@triton.jit
-def _finish_rows(acc, m, l, sinks_ptr, out_ptr, stride_oh, heads, g_mask, d, HAS_SINKS: tl.constexpr):
-    """acc [G_PAD, D], m, l [G_PAD] (the whole key range, log2 domain) -> the sink added,
-    normalised rows stored at out_ptr + heads * stride_oh."""
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_all = tl.maximum(m, sink)
-        alpha = tl.exp2(m - m_all)
-        l = l * alpha + tl.exp2(sink - m_all)
-        acc = acc * alpha[:, None]
-    out = acc / l[:, None]
-    tl.store(out_ptr + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=g_mask[:, None])
 
 
 @triton.jit
@@ -150,10 +114,6 @@ def _decode_combine_kernel(mid_o_ptr, mid_ml_ptr, sinks_ptr, out_ptr, stride_ob,
         denom += tl.exp2(sink - m_all)
     out = tl.sum(o * w[:, None], axis=0) / denom
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
-
-
-# The folded merge is unrolled over the splits, one [G, D] partial each.
-FOLD_MAX_SPLITS = 32
 
 
 def default_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int,
@@ -183,14 +143,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sinks: torch.Tensor | None = None, window: int | None = None,
                            num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 2, fold: bool = False) -> torch.Tensor:
+                           num_stages: int = 2) -> torch.Tensor:
     """q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
     int32; context_lens [B] int32 (>= 1, the query's own key included); sinks [Hq] or None;
     window: keys i - window < j <= i. Returns [B, Hq, D] in q.dtype. num_splits, block_n (keys
     per tile), num_warps and num_stages (key tiles in flight) of the split kernel: two tiles in
     flight leave room in shared memory for more programs per SM, which measured faster than
-    three or four at batch 1-8 (bench/bench_attention_splits.py). fold: the last split of each
-    (sequence, KV head) merges the splits (no combine launch; at most FOLD_MAX_SPLITS splits)."""
+    three or four at batch 1-8 (bench/bench_attention_splits.py)."""
     bsz, hq, d = q.shape
     _, block_size, hkv, dk = k_cache.shape
     if dk != d or hq % hkv or d & (d - 1):
@@ -207,21 +166,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if bsz == 0:
         return out
     direct = num_splits == 1
-    fold = fold and not direct
-    if fold and num_splits > FOLD_MAX_SPLITS:
-        raise ValueError(f"fold merges at most {FOLD_MAX_SPLITS} splits in one program, not {num_splits}")
     mid_o = out if direct else torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
     mid_ml = out if direct else torch.empty((bsz, hq, num_splits, 2), dtype=torch.float32, device=q.device)
-    arrivals = arrival_counts(q.device, bsz * hkv) if fold else out
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_ml, sinks if sinks is not None else q, out,
-        arrivals, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         scale * LOG2E, window or 0, block_size, hq,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, FOLD=fold,
+        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages)
-    if direct or fold:
+    if direct:
         return out
     _decode_combine_kernel[(bsz, hq)](
         mid_o, mid_ml, sinks if sinks is not None else q, out, out.stride(0), out.stride(1), hq,
@@ -256,7 +211,7 @@ def attention_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sinks=None, window=None,
-                               num_splits=None, block_n=64, num_warps=4, num_stages=2, fold=False) -> torch.Tensor:
+                               num_splits=None, block_n=64, num_warps=4, num_stages=2) -> torch.Tensor:
     outs = []
     for b in range(q.shape[0]):
         ctx = int(context_lens[b])

@@ -31,8 +31,7 @@ from .moe_config import MoeConfig, MoeExperts, default_config, gpt_oss_experts, 
 from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4,
                        moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
 from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
-from .moe_gemv_half2 import (act_scale_exp, moe_down_half2_kernel, moe_gate_up_half2_kernel, moe_step_half2_kernel,
-                              mx_half2_x_kernel)
+from .moe_gemv_half2 import act_scale_exp, moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
 from .moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
 from .moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel
 
@@ -281,26 +280,13 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     act_exp = act_scale_exp(experts.limit)
     tail_k = min(cfg.tail_k, cfg.block_k)
     act = torch.empty((num_pairs, i), dtype=torch.float16, device=x.device)
-    y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
-    has_down_bias, bd, bd_stride = _down_bias(experts, x)
-    if cfg.one_launch:
-        if cfg.preload_k % cfg.block_k or cfg.preload_k > i - i % cfg.block_k:
-            raise ValueError(f"preload_k must be whole K steps of {cfg.block_k} within {i}, got {cfg.preload_k}")
-        programs = num_pairs * (triton.cdiv(i, cfg.block_n) + triton.cdiv(h, cfg.block_n))
-        moe_step_half2_kernel[(programs,)](
-            xq.view(torch.int32), x_inv_scale, *_code_words(wg, wu), sg, su, *s_strides, bg, bu, *bias_strides, act,
-            act.view(torch.int32), float(2.0 ** act_exp), float(2.0 ** -act_exp), *_code_words(wd), sd, *sd_strides, bd, bd_stride,
-            topk_weights.reshape(-1).to(torch.float32), y, y.stride(0), expert_ids,
-            arrival_counts(x.device, 1 + 2 * num_pairs), num_pairs, i, h, k, float(experts.alpha),
-            float(experts.limit), HAS_BIAS=experts.gate_bias is not None, HAS_DOWN_BIAS=has_down_bias,
-            INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, TAIL_K=tail_k,
-            PRE_K=cfg.preload_k, **launch)
-        return _combine(y, topk_ids, out)
     moe_gate_up_half2_kernel[(num_pairs, triton.cdiv(i, cfg.block_n))](
         xq.view(torch.int32), x_inv_scale, *_code_words(wg, wu), sg, su, *s_strides, bg, bu, *bias_strides, act,
         float(2.0 ** act_exp), expert_ids, i, h, k, float(experts.alpha), float(experts.limit),
         HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.num_stages, TAIL_K=tail_k, **launch)
+    y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
+    has_down_bias, bd, bd_stride = _down_bias(experts, x)
     moe_down_half2_kernel[(num_pairs, triton.cdiv(h, cfg.block_n))](
         act.view(torch.int32), float(2.0 ** -act_exp), *_code_words(wd), sd, *sd_strides, bd, bd_stride,
         topk_weights.reshape(-1).to(torch.float32), y, y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias,

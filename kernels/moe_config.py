@@ -71,10 +71,6 @@ class MoeConfig:
     # mx_half2: K steps after the last whole block_k (gpt-oss's 2880 = 11 * 256 + 64), so no
     # decoded code is masked off; block_k gives one masked step instead
     tail_k: int = 64
-    # mx_half2: gate/up and down in one launch (moe_step_half2_kernel), the down programs loading
-    # their first preload_k codes of weights while they wait for gate/up's rows
-    one_launch: bool = False
-    preload_k: int = 0
 
     @property
     def down_launch(self) -> tuple[int, int, int, int]:

@@ -216,14 +216,26 @@ def half2_input_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _gate_up_rows(pair, e, nb, xq_ptr, x_inv_scale_ptr, wg_ptr, wu_ptr, stride_we, stride_wn, sg_ptr, su_ptr,
-                  stride_se, stride_sn, stride_sk, bg_ptr, bu_ptr, stride_be, stride_bn, out_ptr, act_scale, N, K,
-                  top_k, alpha, limit, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr):
-    """Gate and up rows nb * BLOCK_N + [0, BLOCK_N) of expert e (>= 0) against pair's token ->
-    the clamped SwiGLU as f16 * act_scale in pair order at out[pair] (moe_gate_up_half2_kernel)."""
+def moe_gate_up_half2_kernel(
+        xq_ptr, x_inv_scale_ptr,
+        wg_ptr, wu_ptr, stride_we, stride_wn,
+        sg_ptr, su_ptr, stride_se, stride_sn, stride_sk,
+        bg_ptr, bu_ptr, stride_be, stride_bn,
+        out_ptr, act_scale, expert_ptr, N, K, top_k, alpha, limit,
+        HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr = 64):
+    """Program (pair, n-block): gate and up rows [BLOCK_N] of the pair's expert against the
+    pair's token, clamped SwiGLU (gpt-oss), stored as f16 act * act_scale in pair order to
+    out [pairs, N]. xq: int32 view of the f16 pair-ordered activations [T, K / 2]; wg / wu:
+    int32 views of the codes with strides in 16-byte groups; expert_ptr: topk_ids flattened.
+    K past the last whole BLOCK_K step goes in steps of TAIL_K (<= BLOCK_K): every decoded
+    code is used (gpt-oss's 2880 = 11 * 256 + 64)."""
+    pair = tl.program_id(0)
+    e = tl.load(expert_ptr + pair)
+    if e < 0:
+        return
     tok = (pair // top_k).to(tl.int64)
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     acc_g = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
@@ -258,57 +270,6 @@ def _gate_up_rows(pair, e, nb, xq_ptr, x_inv_scale_ptr, wg_ptr, wu_ptr, stride_w
 
 
 @triton.jit
-def moe_gate_up_half2_kernel(
-        xq_ptr, x_inv_scale_ptr,
-        wg_ptr, wu_ptr, stride_we, stride_wn,
-        sg_ptr, su_ptr, stride_se, stride_sn, stride_sk,
-        bg_ptr, bu_ptr, stride_be, stride_bn,
-        out_ptr, act_scale, expert_ptr, N, K, top_k, alpha, limit,
-        HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr = 64):
-    """Program (pair, n-block): gate and up rows [BLOCK_N] of the pair's expert against the
-    pair's token, clamped SwiGLU (gpt-oss), stored as f16 act * act_scale in pair order to
-    out [pairs, N]. xq: int32 view of the f16 pair-ordered activations [T, K / 2]; wg / wu:
-    int32 views of the codes with strides in 16-byte groups; expert_ptr: topk_ids flattened.
-    K past the last whole BLOCK_K step goes in steps of TAIL_K (<= BLOCK_K): every decoded
-    code is used (gpt-oss's 2880 = 11 * 256 + 64)."""
-    pair = tl.program_id(0)
-    e = tl.load(expert_ptr + pair)
-    if e < 0:
-        return
-    _gate_up_rows(pair, e, tl.program_id(1), xq_ptr, x_inv_scale_ptr, wg_ptr, wu_ptr, stride_we, stride_wn, sg_ptr,
-                  su_ptr, stride_se, stride_sn, stride_sk, bg_ptr, bu_ptr, stride_be, stride_bn, out_ptr, act_scale,
-                  N, K, top_k, alpha, limit, HAS_BIAS, INTERPRET, BLOCK_N, BLOCK_K, STAGES, TAIL_K)
-
-
-@triton.jit
-def _down_rows(pair, e, n, n_mask, acc, aq_ptr, a_inv_scale, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
-               stride_sn, stride_sk, b_ptr, stride_be, pair_weights_ptr, y_ptr, stride_yt, K, k_start,
-               HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               STAGES: tl.constexpr, TAIL_K: tl.constexpr):
-    """Down rows n [BLOCK_N] of expert e (>= 0) from K position k_start on, added to acc (float32
-    [BLOCK_N, any], the group sums of the K range before k_start) -> y[pair, n] (moe_down_half2_kernel)."""
-    BLOCK_G: tl.constexpr = BLOCK_K // 32
-    acc_k = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
-    aq_row = aq_ptr + pair.to(tl.int64) * (K // 2)
-    k_whole = K - K % BLOCK_K
-    for k0 in tl.range(k_start, k_whole, BLOCK_K, num_stages=STAGES):
-        x0, x1, x2, x3 = _x_pairs(aq_row, k0, K, BLOCK_K)
-        acc_k = _chunk(acc_k, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
-                       stride_sn, stride_sk, INTERPRET, BLOCK_K)
-    tail = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
-    for k0 in range(k_whole, K, TAIL_K):
-        x0, x1, x2, x3 = _x_pairs(aq_row, k0, K, TAIL_K)
-        tail = _chunk(tail, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
-                      stride_sn, stride_sk, INTERPRET, TAIL_K)
-    y = (tl.sum(acc, axis=1) + tl.sum(acc_k, axis=1) + tl.sum(tail, axis=1)) * a_inv_scale
-    if HAS_BIAS:
-        y += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)
-    y = y * tl.load(pair_weights_ptr + pair)
-    tl.store(y_ptr + pair.to(tl.int64) * stride_yt + n, y, mask=n_mask)
-
-
-@triton.jit
 def moe_down_half2_kernel(
         aq_ptr, a_inv_scale,
         w_ptr, stride_we, stride_wn,
@@ -325,76 +286,22 @@ def moe_down_half2_kernel(
     if e < 0:
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    _down_rows(pair, e, n, n < N, tl.zeros((BLOCK_N, 1), dtype=tl.float32), aq_ptr, a_inv_scale, w_ptr, stride_we,
-               stride_wn, s_ptr, stride_se, stride_sn, stride_sk, b_ptr, stride_be, pair_weights_ptr, y_ptr,
-               stride_yt, K, 0, HAS_BIAS, INTERPRET, BLOCK_N, BLOCK_K, STAGES, TAIL_K)
-
-
-@triton.jit
-def moe_step_half2_kernel(
-        xq_ptr, x_inv_scale_ptr,
-        wg_ptr, wu_ptr, stride_we, stride_wn,
-        sg_ptr, su_ptr, stride_se, stride_sn, stride_sk,
-        bg_ptr, bu_ptr, stride_be, stride_bn,
-        act_ptr, act_pairs_ptr, act_scale, act_inv_scale,
-        wd_ptr, stride_de, stride_dn,
-        sd_ptr, stride_dse, stride_dsn, stride_dsk,
-        bd_ptr, stride_bde,
-        pair_weights_ptr, y_ptr, stride_yt, expert_ptr, counts_ptr, num_pairs, I, H, top_k, alpha, limit,
-        HAS_BIAS: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr,
-        PRE_K: tl.constexpr):
-    """Gate/up and down in one launch: num_pairs * (cdiv(I, BLOCK_N) + cdiv(H, BLOCK_N)) one-job
-    programs. Each takes a ticket (an atomic count, so tickets follow the order in which programs
-    started): the first num_pairs * cdiv(I, BLOCK_N) tickets are gate/up row blocks
-    (moe_gate_up_half2_kernel's work), the rest down row blocks (moe_down_half2_kernel's), which
-    wait until every gate/up block of their pair has counted its arrival. A down program waits
-    only on tickets already taken, i.e. on programs already running, so the wait cannot deadlock
-    however few programs fit on the GPU at once. Before waiting, a down program loads its first
-    PRE_K codes of weights into registers: those bytes stream while gate/up still runs.
-
-    act_ptr / act_pairs_ptr: the GLU rows [pairs, I] as f16 (gate/up's output) and as int32 pairs
-    (down's input); counts_ptr: int32 [1 + 2 * num_pairs], zero, and left zero (ticket, gate/up
-    blocks done per pair, down blocks done per pair); other arguments as for the two kernels."""
-    gu_blocks = tl.cdiv(I, BLOCK_N)
-    dn_blocks = tl.cdiv(H, BLOCK_N)
-    n_gate_up = num_pairs * gu_blocks
-    ticket = tl.atomic_add(counts_ptr, 1, sem="relaxed", scope="gpu")
-    if ticket == n_gate_up + num_pairs * dn_blocks - 1:
-        tl.store(counts_ptr, 0)  # every program has its ticket
-    if ticket < n_gate_up:
-        pair = ticket // gu_blocks
-        e = tl.load(expert_ptr + pair)
-        if e >= 0:
-            _gate_up_rows(pair, e, ticket % gu_blocks, xq_ptr, x_inv_scale_ptr, wg_ptr, wu_ptr, stride_we, stride_wn,
-                          sg_ptr, su_ptr, stride_se, stride_sn, stride_sk, bg_ptr, bu_ptr, stride_be, stride_bn,
-                          act_ptr, act_scale, I, H, top_k, alpha, limit, HAS_BIAS, INTERPRET, BLOCK_N, BLOCK_K,
-                          STAGES, TAIL_K)
-            tl.debug_barrier()  # every thread's rows are stored before the arrival
-            tl.atomic_add(counts_ptr + 1 + pair, 1, sem="release", scope="gpu")
-    else:
-        pair = (ticket - n_gate_up) // dn_blocks
-        e = tl.load(expert_ptr + pair)
-        if e >= 0:
-            n = (ticket - n_gate_up) % dn_blocks * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = n < H
-            if PRE_K > 0:
-                w_pre, s_pre = _mx_words_raw(wd_ptr, sd_ptr, e, n, n_mask, 0, I, stride_de, stride_dn, stride_dse,
-                                             stride_dsn, stride_dsk, PRE_K)
-            ready = counts_ptr + 1 + pair
-            while tl.load(ready, volatile=True) < gu_blocks:
-                pass
-            tl.atomic_add(ready, 0, sem="acquire", scope="gpu")  # the GLU rows are read after this
-            if PRE_K > 0:
-                x0, x1, x2, x3 = _x_pairs(act_pairs_ptr + pair.to(tl.int64) * (I // 2), 0, I, PRE_K)
-                mult = ((s_pre.to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)
-                acc = _group_dot(w_pre, x0, x1, x2, x3, INTERPRET) * mult
-            else:
-                acc = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
-            _down_rows(pair, e, n, n_mask, acc, act_pairs_ptr, act_inv_scale, wd_ptr, stride_de, stride_dn, sd_ptr,
-                       stride_dse, stride_dsn, stride_dsk, bd_ptr, stride_bde, pair_weights_ptr, y_ptr, stride_yt, I,
-                       PRE_K, HAS_DOWN_BIAS, INTERPRET, BLOCK_N, BLOCK_K, STAGES, TAIL_K)
-            done = tl.atomic_add(counts_ptr + 1 + num_pairs + pair, 1, sem="relaxed", scope="gpu")
-            if done == dn_blocks - 1:  # every down block of this pair is past its wait
-                tl.store(ready, 0)
-                tl.store(counts_ptr + 1 + num_pairs + pair, 0)
+    n_mask = n < N
+    BLOCK_G: tl.constexpr = BLOCK_K // 32
+    acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
+    aq_row = aq_ptr + pair.to(tl.int64) * (K // 2)
+    k_whole = K - K % BLOCK_K
+    for k0 in tl.range(0, k_whole, BLOCK_K, num_stages=STAGES):
+        x0, x1, x2, x3 = _x_pairs(aq_row, k0, K, BLOCK_K)
+        acc = _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
+                     stride_sn, stride_sk, INTERPRET, BLOCK_K)
+    tail = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
+    for k0 in range(k_whole, K, TAIL_K):
+        x0, x1, x2, x3 = _x_pairs(aq_row, k0, K, TAIL_K)
+        tail = _chunk(tail, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
+                      stride_sn, stride_sk, INTERPRET, TAIL_K)
+    y = (tl.sum(acc, axis=1) + tl.sum(tail, axis=1)) * a_inv_scale
+    if HAS_BIAS:
+        y += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)
+    y = y * tl.load(pair_weights_ptr + pair)
+    tl.store(y_ptr + pair.to(tl.int64) * stride_yt + n, y, mask=n_mask)

@@ -13,8 +13,7 @@ from localchat.kernels.fp8_linear import _quant_groups_kernel, _quant_rows_kerne
 from localchat.kernels.moe_align import _align_count_kernel, _align_scatter_kernel
 from localchat.kernels.moe_gemm import moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel
 from localchat.kernels.moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
-from localchat.kernels.moe_gemv_half2 import (moe_down_half2_kernel, moe_gate_up_half2_kernel, moe_step_half2_kernel,
-                                              mx_half2_x_kernel)
+from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
 from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
 from localchat.kernels.moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel
 from localchat.kernels.moe_router import _router_kernel
@@ -68,15 +67,6 @@ MMA = _types({"xq_ptr": "*bf16", "aq_ptr": "*bf16", "wg_ptr": "*i32", "wu_ptr": 
               "sg_ptr": "*u8", "su_ptr": "*u8", "s_ptr": "*u8", "bg_ptr": "*bf16", "bu_ptr": "*bf16", "b_ptr": "*bf16",
               "out_ptr": "*bf16", "y_ptr": "*fp32", "pair_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
               "block_expert_ptr": "*i32", "alpha": "fp32", "limit": "fp32"})
-
-ATTENTION = _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "sinks_ptr", "out_ptr")}
-                   | {"tables_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32",
-                      "arrivals_ptr": "*i32", "qk_scale": "fp32"})
-HALF2_STEP = _types({**{n: HALF2(n) for n in ("xq_ptr", "x_inv_scale_ptr", "wg_ptr", "wu_ptr", "sg_ptr", "su_ptr",
-                                              "bg_ptr", "bu_ptr", "expert_ptr", "pair_weights_ptr", "act_scale",
-                                              "alpha", "limit")},
-                     "act_ptr": "*fp16", "act_pairs_ptr": "*i32", "act_inv_scale": "fp32", "wd_ptr": "*i32",
-                     "sd_ptr": "*u8", "bd_ptr": "*bf16", "y_ptr": "*fp32", "counts_ptr": "*i32"})
 
 CASES = []
 for prefetch in (False, True):
@@ -133,10 +123,11 @@ CASES += [
      _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "v_ptr", "kc_ptr", "vc_ptr")}
             | {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i32"}),
      dict(R=64, D=128, BLOCK_H=8, D_PAD=128, WRITE_CACHE=True), 2, 1),
-    ("decode attention split, gpt-oss", _decode_split_kernel, ATTENTION,
-     dict(G=8, G_PAD=16, D=64, BLOCK_N=64, NUM_SPLITS=64, HAS_WINDOW=False, HAS_SINKS=True, FOLD=False), 4, 2),
-    ("decode attention split, GLM-4.5V, merged by the last split", _decode_split_kernel, ATTENTION,
-     dict(G=12, G_PAD=16, D=128, BLOCK_N=64, NUM_SPLITS=16, HAS_WINDOW=False, HAS_SINKS=False, FOLD=True), 4, 3),
+    ("decode attention split, gpt-oss", _decode_split_kernel,
+     _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "sinks_ptr", "out_ptr")}
+            | {"tables_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32",
+               "qk_scale": "fp32"}),
+     dict(G=8, G_PAD=16, D=64, BLOCK_N=64, NUM_SPLITS=64, HAS_WINDOW=False, HAS_SINKS=True), 4, 2),
     ("FP8 activations per token and 128 columns", _quant_groups_kernel,
      _types({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}), dict(BLOCK_G=8), 4, 1),
     ("FP8 activations per token", _quant_rows_kernel,
@@ -164,9 +155,6 @@ GEMV_FP8_DOWN = _types({"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
 PIPELINED = [
     ("MXFP4 gate/up half2 n8 k256 w1, 3 stages", moe_gate_up_half2_kernel, HALF2,
      dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3, TAIL_K=64), 1, 3),
-    ("MXFP4 half2 gate/up and down in one launch, n8 k256 w1, 3 stages, 1024 codes preloaded", moe_step_half2_kernel,
-     HALF2_STEP, dict(HAS_BIAS=True, HAS_DOWN_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3,
-                      TAIL_K=64, PRE_K=1024), 1, 3),
     ("FP8 gate/up row kernel n32 k256 w4, 3 stages", moe_gate_up_gemv_kernel, GEMV_FP8,
      dict(FORMAT=1, SBN=1, SBK=1, SORTED=False, ACT=0, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
           STAGES=3), 4, 3),
