@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from ..engine.weights.formats import Fp8Weight
-from .gpu_facts import compiled_on_gpu, sm_count
+from .gpu_facts import compiled_on_gpu
 from .moe_gemm import FMT_FP8_BLK, FMT_FP8_ROW, _row_scale, _weight_dot
-from .row_gemv import GEMV_MAX_M, gemv_block_n, row_gemv_kernel
+from .row_gemv import GEMV_MAX_M, row_gemv_kernel
 
 FP8_MAX = 448.0
 E4M3_MAX = tl.constexpr(FP8_MAX)
@@ -176,12 +176,13 @@ def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
         block_k = block_k or _gemv_block_k(fmt, sbk)
         if not on_gpu:
             block_n = block_n or 4
-        elif fmt == FMT_FP8_BLK:
-            # H200, 128x128 blocks, 1 token: 16 rows a program from 4096 outputs (o_proj 24.8 -> 19.3
-            # us against the bf16 choice of 4), 8 below (2816 outputs: 7.7 us, 16 rows 8.2)
-            block_n = block_n or (16 if n >= 4096 else 8)
         else:
-            block_n = block_n or gemv_block_n(n, sm_count(x.device))
+            # H200, 1 token: 16 rows a program from 4096 outputs, 8 below, for both scale layouts,
+            # against the bf16 rule's 4 (gemv_block_n). 128x128 blocks: o_proj 24.8 -> 19.3 us,
+            # 2816 outputs 7.7 us (16 rows: 8.2). Channel scales (GLM-4.5V-FP8): o_proj 20.8 -> 17.0 us,
+            # the shared expert's gate/up 7.3 -> 6.6 and down 5.2 -> 5.0, q/k/v (14336) unchanged at 16
+            # (bench/bench_row_gemv.py --scales channel,block)
+            block_n = block_n or (16 if n >= 4096 else 8)
         row_gemv_kernel[(triton.cdiv(n, block_n),)](
             x, x.stride(0), w.weight, w.weight.stride(0), s, *s_strides, bias if bias is not None else x, out,
             out.stride(0), m, n, k, FORMAT=fmt, SBN=sbn, SBK=sbk, HAS_BIAS=bias is not None,
