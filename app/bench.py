@@ -57,7 +57,8 @@ def dummy_model(name: str, layers: int | None):
 def step_bytes(spec: ModelSpec, weights: dict, batch: int, context: int) -> int:
     """Bytes one decode step reads: every non-expert weight once (the embedding only for the
     batch's rows, vision tower not at all), the routed experts the batch selects (expected
-    distinct count under uniform routing), and the KV cache of every sequence."""
+    distinct count under uniform routing), a shared expert folded into their stacks, and the KV
+    cache of every sequence."""
     total = 0
     e, k = spec.moe.num_experts, spec.moe.top_k
     distinct = e * (1 - (1 - k / e) ** batch)
@@ -67,7 +68,9 @@ def step_bytes(spec: ModelSpec, weights: dict, batch: int, context: int) -> int:
         if name.endswith("embed_tokens.weight"):
             total += batch * w.shape[1] * w.element_size()
         elif ".mlp.experts." in name:
-            total += stored_bytes(w) * distinct / e
+            # stacks past the E routed experts hold the folded shared expert, read every step
+            per_expert = stored_bytes(w) / w.shape[0]
+            total += per_expert * (distinct + w.shape[0] - e)
         else:
             total += stored_bytes(w)
     kv_per_token = 2 * spec.num_kv_heads * spec.head_dim * 2

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from .arrivals import arrival_counts
-from .moe_routing import (SCORING_SIGMOID, SCORING_SOFTMAX_TOPK, route_glm_ref, route_gpt_oss_ref,
-                          route_token)
+from .moe_routing import (SCORING_SIGMOID, SCORING_SOFTMAX_TOPK, route_glm_ref, route_gpt_oss_ref, route_token,
+                          with_shared_expert)
 
 FUSED_ROUTER_MAX_T = 32  # above this the GEMM + routing launches take over (route_glm / route_gpt_oss)
 # Launch shape: a K slice of 64 per program (gpt-oss 45 slices, GLM-4.5V 64), one token per
@@ -36,14 +36,15 @@ NUM_WARPS = 2
 
 @triton.jit
 def _router_kernel(x_ptr, stride_xt, w_ptr, stride_we, b_ptr, sel_bias_ptr, partial_ptr, arrivals_ptr,
-                   weights_ptr, ids_ptr, T, E, K, scaling,
+                   weights_ptr, ids_ptr, T, E, K, scaling, extra_id,
                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEL_BIAS: tl.constexpr,
-                   RENORMALIZE: tl.constexpr, ROUND: tl.constexpr):
+                   RENORMALIZE: tl.constexpr, ROUND: tl.constexpr, HAS_EXTRA: tl.constexpr):
     """Program (split, token block): partial logits [E] of the block's tokens over K columns
     split * BLOCK_K + [0, BLOCK_K), stored at partial [NUM_SPLITS, T, E_PAD]; the block's last
-    program to arrive sums them and routes the tokens (weights [T, TOP_K] float32, ids int32)."""
+    program to arrive sums them and routes the tokens (weights [T, TOP_K] float32, ids int32;
+    with HAS_EXTRA [T, TOP_K + 1], the last column expert extra_id at weight 1)."""
     split = tl.program_id(0)
     block = tl.program_id(1)
     e = tl.arange(0, E_PAD)
@@ -76,14 +77,19 @@ def _router_kernel(x_ptr, stride_xt, w_ptr, stride_we, b_ptr, sel_bias_ptr, part
                     logits += tl.load(b_ptr + e, mask=e_mask, other=0.0).to(tl.float32)
                 if ROUND:
                     logits = logits.to(x_ptr.dtype.element_ty).to(tl.float32)
+                ROW: tl.constexpr = TOP_K + 1 if HAS_EXTRA else TOP_K
                 route_token(logits, e, e_mask, sel_bias_ptr, weights_ptr, ids_ptr, t, scaling, TOP_K, K_PAD,
-                            SCORING, HAS_SEL_BIAS, RENORMALIZE)
+                            SCORING, HAS_SEL_BIAS, RENORMALIZE, ROW)
+                if HAS_EXTRA:
+                    tl.store(weights_ptr + t * ROW + TOP_K, 1.0)
+                    tl.store(ids_ptr + t * ROW + TOP_K, extra_id)
         tl.store(slot, 0)
 
 
 def _router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sel_bias: torch.Tensor | None,
             top_k: int, scoring: int, renormalize: bool, scaling: float, round_logits: bool,
-            block_k: int, block_t: int, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+            block_k: int, block_t: int, num_warps: int, extra_expert: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"router input [T, K] and weight [E, K] expected, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -93,8 +99,9 @@ def _router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, se
         raise ValueError(f"top_k={top_k} must be in 1..E and E={e} at most 1024")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("the router input and weight must be contiguous along K")
-    weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
-    ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
+    row = top_k + (extra_expert is not None)
+    weights = torch.empty((t, row), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, row), dtype=torch.int32, device=x.device)
     if t == 0:
         return weights, ids
     splits = triton.cdiv(k_dim, block_k)
@@ -104,10 +111,11 @@ def _router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, se
     _router_kernel[(splits, blocks)](
         x, x.stride(0), weight, weight.stride(0), bias if bias is not None else x,
         sel_bias if sel_bias is not None else x, partial, arrival_counts(x.device, blocks), weights, ids,
-        t, e, k_dim, float(scaling),
+        t, e, k_dim, float(scaling), -1 if extra_expert is None else extra_expert,
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, S_PAD=triton.next_power_of_2(splits),
         NUM_SPLITS=splits, BLOCK_T=block_t, BLOCK_K=block_k, SCORING=scoring, HAS_BIAS=bias is not None,
-        HAS_SEL_BIAS=sel_bias is not None, RENORMALIZE=renormalize, ROUND=round_logits, num_warps=num_warps)
+        HAS_SEL_BIAS=sel_bias is not None, RENORMALIZE=renormalize, ROUND=round_logits,
+        HAS_EXTRA=extra_expert is not None, num_warps=num_warps)
     return weights, ids
 
 
@@ -123,15 +131,17 @@ def router_gpt_oss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def router_glm(x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
                renormalize: bool = True, routed_scaling_factor: float = 1.0, n_group: int = 1,
-               topk_group: int = 1, block_k: int = BLOCK_K, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               topk_group: int = 1, block_k: int = BLOCK_K, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS,
+               shared_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K], weight [E, K] (any float dtype; products and sums in float32), correction_bias [E]
-    float32 (selection only) -> topk_weights [T, k] float32 and topk_ids [T, k] int32 as route_glm."""
+    float32 (selection only) -> topk_weights [T, k] float32 and topk_ids [T, k] int32 as route_glm;
+    with shared_expert, [T, k + 1] whose last column is that expert at weight 1 (a shared expert
+    stacked behind the routed ones, so that the MoE kernels run it with them)."""
     if n_group != 1 or topk_group != 1:
         raise NotImplementedError(f"grouped top-k (n_group={n_group}) is not in the kernel; "
                                   "GLM-4.5V uses n_group=1, see route_glm_ref for the grouped math")
     return _router(x, weight, None, correction_bias, top_k, SCORING_SIGMOID, renormalize, routed_scaling_factor,
-                   False, block_k, block_t, num_warps)
+                   False, block_k, block_t, num_warps, shared_expert)
 
 
 def router_gpt_oss_ref(x, weight, bias, top_k, block_k=BLOCK_K, block_t=BLOCK_T, num_warps=NUM_WARPS):
@@ -139,6 +149,7 @@ def router_gpt_oss_ref(x, weight, bias, top_k, block_k=BLOCK_K, block_t=BLOCK_T,
 
 
 def router_glm_ref(x, weight, correction_bias, top_k, renormalize=True, routed_scaling_factor=1.0, n_group=1,
-                   topk_group=1, block_k=BLOCK_K, block_t=BLOCK_T, num_warps=NUM_WARPS):
-    return route_glm_ref(F.linear(x.to(torch.float32), weight.to(torch.float32)), correction_bias, top_k,
-                         renormalize, routed_scaling_factor, n_group, topk_group)
+                   topk_group=1, block_k=BLOCK_K, block_t=BLOCK_T, num_warps=NUM_WARPS, shared_expert=None):
+    w, ids = route_glm_ref(F.linear(x.to(torch.float32), weight.to(torch.float32)), correction_bias, top_k,
+                           renormalize, routed_scaling_factor, n_group, topk_group)
+    return (w, ids) if shared_expert is None else with_shared_expert(w, ids, shared_expert)

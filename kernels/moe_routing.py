@@ -19,12 +19,22 @@ SCORING_SOFTMAX_TOPK = 1
 _TAKEN = tl.constexpr(-(1 << 63))  # below every key: masked or already chosen experts
 
 
+def with_shared_expert(weights: torch.Tensor, ids: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weights [T, k] float32, ids [T, k] -> [T, k + 1] each, the last column `expert` at weight 1:
+    a shared expert stacked behind the routed ones runs in the same MoE kernels as one more pair
+    of every token (what router_glm's shared_expert writes in its own launch)."""
+    t = ids.shape[0]
+    return (torch.cat([weights, weights.new_ones(t, 1)], dim=1),
+            torch.cat([ids, torch.full((t, 1), expert, dtype=ids.dtype, device=ids.device)], dim=1))
+
+
 @triton.jit
 def route_token(logits, e, e_mask, bias_ptr, weights_ptr, ids_ptr, t, scaling,
                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
-                RENORMALIZE: tl.constexpr):
+                RENORMALIZE: tl.constexpr, ROW: tl.constexpr):
     """One token's router logits (float32 [E_PAD] over experts e, e_mask the real ones) ->
-    its TOP_K weights and expert ids, stored at weights_ptr / ids_ptr + t * TOP_K."""
+    its TOP_K weights and expert ids, stored at weights_ptr / ids_ptr + t * ROW (ROW >= TOP_K: the
+    outputs' row length)."""
     if SCORING == 0:
         scores = tl.sigmoid(logits)
         choice = scores
@@ -61,8 +71,8 @@ def route_token(logits, e, e_mask, bias_ptr, weights_ptr, ids_ptr, t, scaling,
         z = tl.where(k_mask, top_vals, float("-inf"))
         p = tl.exp(z - tl.max(z, axis=0))
         w = p / tl.sum(p, axis=0)
-    tl.store(weights_ptr + t * TOP_K + kk, w, mask=k_mask)
-    tl.store(ids_ptr + t * TOP_K + kk, top_ids, mask=k_mask)
+    tl.store(weights_ptr + t * ROW + kk, w, mask=k_mask)
+    tl.store(ids_ptr + t * ROW + kk, top_ids, mask=k_mask)
 
 
 @triton.jit
@@ -74,7 +84,7 @@ def _route_kernel(logits_ptr, stride_lt, bias_ptr, weights_ptr, ids_ptr, E, scal
     e_mask = e < E
     logits = tl.load(logits_ptr + t * stride_lt + e, mask=e_mask, other=0.0).to(tl.float32)
     route_token(logits, e, e_mask, bias_ptr, weights_ptr, ids_ptr, t, scaling, TOP_K, K_PAD, SCORING, HAS_BIAS,
-                RENORMALIZE)
+                RENORMALIZE, TOP_K)
 
 
 def _route(logits: torch.Tensor, top_k: int, scoring: int, bias: torch.Tensor | None,

@@ -11,7 +11,7 @@ import torch
 
 from ...kernels.moe import MoeExperts, fused_moe, fused_moe_ref, gpt_oss_experts, takes_half2_input
 from ...kernels.moe_router import FUSED_ROUTER_MAX_T, router_glm, router_gpt_oss
-from ...kernels.moe_routing import route_glm, route_glm_ref, route_gpt_oss, route_gpt_oss_ref
+from ...kernels.moe_routing import route_glm, route_glm_ref, route_gpt_oss, route_gpt_oss_ref, with_shared_expert
 from ..parallel.context import SINGLE, ParallelContext
 from ..spec import ModelSpec
 from ..weights.formats import DenseWeight
@@ -51,27 +51,34 @@ class MoeBlock:
         else:
             self.experts = MoeExperts(weights[f"{ex}.gate_proj.weight"], weights[f"{ex}.up_proj.weight"],
                                       weights[f"{ex}.down_proj.weight"])
-        self.shared = GatedMLP(weights, f"{prefix}.shared_experts") if m.num_shared_experts else None
+        # the shared expert either stacked behind the routed ones (weights/shared_expert.py: one more
+        # pair of every token in the same kernels) or its own gated MLP
+        folded = m.num_shared_experts and f"{prefix}.shared_experts.gate_proj.weight" not in weights
+        self.shared_slot = m.num_experts if folded else None
+        self.shared = GatedMLP(weights, f"{prefix}.shared_experts") if m.num_shared_experts and not folded else None
         self.expert_range = ctx.layout(spec).experts if ctx.expert_parallel else None
         held = self.expert_range[1] - self.expert_range[0] if self.expert_range else m.num_experts
+        held += 1 if folded else 0
         if self.experts.num_experts != held:
             raise ValueError(f"{ex} holds {self.experts.num_experts} experts, but rank {ctx.rank} of "
                              f"{ctx.world_size} should hold {held}: the weights were cut for another split")
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> routing weights [T, k] float32 and expert ids [T, k]."""
+        """x [T, H] -> routing weights [T, k] float32 and expert ids [T, k]; [T, k + 1] with the
+        shared expert stacked behind the routed ones (its slot at weight 1 in the last column)."""
         m, on_gpu = self.moe, x.is_cuda
         if on_gpu and x.shape[0] <= FUSED_ROUTER_MAX_T and x.stride(-1) == 1:
             if m.router == "sigmoid_bias":
                 return router_glm(x, self.router.weight, self.router_bias, m.top_k, m.norm_topk_prob,
-                                  m.routed_scaling_factor, m.n_group, m.topk_group)
+                                  m.routed_scaling_factor, m.n_group, m.topk_group, shared_expert=self.shared_slot)
             return router_gpt_oss(x, self.router.weight, self.router_bias, m.top_k)
         if m.router == "sigmoid_bias":
             # The correction bias steers only the choice of experts, not their weights.
             logits = linear(x.to(torch.float32), self.router)
             route = route_glm if on_gpu else route_glm_ref
-            return route(logits, self.router_bias, m.top_k, m.norm_topk_prob, m.routed_scaling_factor,
-                         m.n_group, m.topk_group)
+            weights, ids = route(logits, self.router_bias, m.top_k, m.norm_topk_prob, m.routed_scaling_factor,
+                                 m.n_group, m.topk_group)
+            return (weights, ids) if self.shared_slot is None else with_shared_expert(weights, ids, self.shared_slot)
         logits = linear(x, self.router, self.router_bias)
         return (route_gpt_oss if on_gpu else route_gpt_oss_ref)(logits, m.top_k)
 

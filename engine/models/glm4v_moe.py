@@ -12,6 +12,7 @@ from ..layers.rotary import RotaryEmbedding
 from ..layers.vocab import VocabEmbedding, VocabHead
 from ..parallel.context import SINGLE, ParallelContext
 from ..spec import ModelSpec
+from ..weights.shared_expert import fold_shared_experts
 from .glm4v_vision import Glm4vVisionTower
 from .mrope import mrope_positions
 
@@ -33,6 +34,10 @@ class Glm4vMoeModel:
         self.spec, self.ctx = spec, ctx
         self.kv_heads = ctx.layout(spec).num_kv_heads  # per rank: what the KV cache holds
         prefix = "model.language_model"
+        if not ctx.expert_parallel:
+            # restructures the store in place (the old stacks freed as it goes): the shared expert
+            # runs as one more pair in the MoE kernels (weights/shared_expert.py)
+            fold_shared_experts(spec, weights, prefix)
         self.embed_tokens = VocabEmbedding(weights[f"{prefix}.embed_tokens.weight"], spec, ctx)
         self.rotary = RotaryEmbedding(spec.rope, device)
         self.layers = []

@@ -14,6 +14,7 @@ from localchat.engine.runtime.kv_cache import PagedKVCache
 from localchat.engine.spec import ModelSpec
 from localchat.engine.weights.dummy import dummy_weights, to_device
 from localchat.engine.model_configs import CONFIG_DIR
+from localchat.kernels.moe_routing import with_shared_expert
 
 CONFIGS = CONFIG_DIR
 BLOCK = 16
@@ -61,12 +62,15 @@ def recorded_routing(spec=None, replay=None):
     def wrap(name, fn):
         def route(*args, **kwargs):
             weights, ids = fn(*args, **kwargs)
+            shared = kwargs.get("shared_expert")
+            if shared is not None:  # the folded shared expert's column: every token's, not a choice
+                weights, ids = weights[:, :-1], ids[:, :-1]
             if replayed is not None:
                 logits = _router_logits(name, args)
                 ids = next(replayed).to(device=logits.device, dtype=ids.dtype)
                 weights = _weights_for(name, logits, ids.long(), spec).to(weights.dtype)
             calls.append(ids.sort(dim=-1).values.cpu())
-            return weights, ids
+            return (weights, ids) if shared is None else with_shared_expert(weights, ids, shared)
         return route
 
     names = ("route_glm", "route_gpt_oss", "route_glm_ref", "route_gpt_oss_ref", "router_glm", "router_gpt_oss")

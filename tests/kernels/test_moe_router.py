@@ -56,6 +56,22 @@ def test_router_glm(t, e, k_dim, k, block_t):
     torch.testing.assert_close(weights, rw, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("t,block_t", [(1, 1), (5, 2)])
+def test_router_glm_with_the_shared_expert_column(t, block_t):
+    # the shared expert stacked behind the routed ones: one more column, expert E at weight 1
+    e, k_dim, k = 24, 100, 3
+    x = torch.randn(t, k_dim, device=DEV).to(torch.bfloat16)
+    w = (torch.randn(e, k_dim, device=DEV) / 8).to(torch.bfloat16)
+    bias = torch.randn(e, device=DEV) * 0.5
+    weights, ids = router_glm(x, w, bias, k, routed_scaling_factor=2.5, block_t=block_t, shared_expert=e)
+    rw, rids = router_glm_ref(x, w, bias, k, routed_scaling_factor=2.5, shared_expert=e)
+    assert ids.shape == (t, k + 1) and torch.equal(ids, rids.to(ids.device))
+    assert (ids[:, -1] == e).all() and (weights[:, -1] == 1).all()
+    torch.testing.assert_close(weights, rw, rtol=1e-5, atol=1e-6)
+    plain_w, plain_ids = router_glm(x, w, bias, k, routed_scaling_factor=2.5, block_t=block_t)
+    assert torch.equal(ids[:, :k], plain_ids) and torch.equal(weights[:, :k], plain_w)
+
+
 def test_router_counts_reset_and_rejects():
     """Each launch leaves its arrival counts at zero, so the next call (or graph replay) routes
     again; a second call with other activations gives their own routing."""
