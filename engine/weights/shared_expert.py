@@ -8,7 +8,7 @@ stream it with the others (bench/profile_step.py; BENCHMARKS.md).
 
 The stacks are copied once at load time, one projection at a time, and the store's entries
 replaced, so the old stack is freed before the next is built: the extra memory is one projection's
-stack of one layer. Not for expert parallelism, where the routed experts are split whole across
+stack of one layer, and what the old stacks held goes back to the device at the end. Not for expert parallelism, where the routed experts are split whole across
 ranks but the shared expert is cut like a dense MLP.
 """
 from __future__ import annotations
@@ -60,4 +60,9 @@ def fold_shared_experts(spec: ModelSpec, weights: dict, prefix: str = "model.lan
         for e, s in names:
             weights[e] = _stacked_with(weights[e], weights.pop(s))
         folded.append(i)
+    if folded and torch.cuda.is_available() and torch.cuda.is_initialized():
+        # The old stacks' memory sits in torch's cache, where the new (one expert larger) stacks
+        # cannot reuse it; handed back, it counts as free to the KV cache's budget
+        # (torch.cuda.mem_get_info) instead of being lost to it.
+        torch.cuda.empty_cache()
     return folded
