@@ -30,7 +30,9 @@ class MoeBlock:
     """Routed experts plus (GLM) the shared expert. The router runs whole on every rank. Under
     tensor parallelism the output is this rank's partial sum, which the model all-reduces: each
     rank holds a slice of every expert's intermediate dim (and of the shared expert's), or, with
-    expert parallelism, a contiguous range of whole experts."""
+    expert parallelism, a contiguous range of whole experts. A shared expert folded into the
+    routed stacks (weights/shared_expert.py; the model folds it unless experts are split across
+    ranks) is their last expert, which route() gives every token at weight 1."""
 
     def __init__(self, spec: ModelSpec, weights: dict, prefix: str, ctx: ParallelContext = SINGLE):
         m = self.moe = spec.moe
@@ -53,7 +55,7 @@ class MoeBlock:
                                       weights[f"{ex}.down_proj.weight"])
         # the shared expert either stacked behind the routed ones (weights/shared_expert.py: one more
         # pair of every token in the same kernels) or its own gated MLP
-        folded = m.num_shared_experts and f"{prefix}.shared_experts.gate_proj.weight" not in weights
+        folded = bool(m.num_shared_experts) and f"{prefix}.shared_experts.gate_proj.weight" not in weights
         self.shared_slot = m.num_experts if folded else None
         self.shared = GatedMLP(weights, f"{prefix}.shared_experts") if m.num_shared_experts and not folded else None
         self.expert_range = ctx.layout(spec).experts if ctx.expert_parallel else None
