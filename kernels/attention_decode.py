@@ -13,10 +13,10 @@ writes an unnormalised partial (acc, max, sum); a combine kernel merges the slic
 the sink. The last split program of each KV head merging them instead (arrival counts, as the
 MoE router does) measured 1.5-9x slower at 64 splits, one head after another; with 8-32 splits
 and all of them loaded at once it was 0.5-3 us slower than the same splits with the combine
-launch from 16 splits, and fewer splits were slower anyway (BENCHMARKS.md, Kernels, 2026-12-04 late). With one
-split (short key ranges at large batches, sliding-window layers) the program finishes the rows
-itself and there is no combine launch. num_splits depends only on static shapes, so the launch
-is CUDA-graph safe.
+launch from 16 splits, and fewer splits were slower anyway (BENCHMARKS.md, Kernels, 2026-12-04
+late). With one split (short key ranges at large batches, sliding-window layers) the program
+finishes the rows itself and there is no combine launch. num_splits depends only on static
+shapes, so the launch is CUDA-graph safe.
 """
 from __future__ import annotations
 

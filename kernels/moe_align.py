@@ -9,11 +9,11 @@ Decode sizes go through one Triton program (_align_kernel: two passes over the p
 one launch). It walks the pairs serially, so its time grows with their number (H200: 50 us at
 1024 pairs, 335 us at 8192, 660 us at 16384, GLM-4.5V's 2048-token prompt). From
 ALIGN_CHUNKS_MIN_PAIRS pairs (fewer inside a CUDA graph, where launches cost no host time) two
-launches spread that walk over programs of a chunk of pairs
-each (_align_by_chunks): the first counts each chunk's pairs per expert, the second has every
-program derive the expert segments from those counts and place its own chunk's pairs, plus a
-disjoint share of the padding slots and of block_expert, so no slot has two writers and the
-result is the reference's without atomics (7-18 us at 1024-32768 pairs). A stable sort in torch
+launches spread that walk over programs of a chunk of pairs each (_align_by_chunks): the first
+counts each chunk's pairs per expert, the second has every program derive the expert segments
+from those counts and place its own chunk's pairs, plus a disjoint share of the padding slots and
+of block_expert, so no slot has two writers and the result is the reference's without atomics
+(7-18 us at 1024-32768 pairs). A stable sort in torch
 did the same in ~15 launches and 140 us of GPU time from 8192 pairs, slower at every size
 measured (bench/bench_moe_align.py). Neither path reads anything back to the host.
 """

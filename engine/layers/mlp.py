@@ -16,7 +16,6 @@ class GatedMLP:
         # copy is kept, so the separate ones are freed with the loaded store).
         fused = concat_rows([gate, up], [None, None])
         self.parts = [fused[0]] if fused is not None else [gate, up]
-        self.intermediate = gate.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""

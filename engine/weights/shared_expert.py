@@ -8,8 +8,9 @@ stream it with the others (bench/profile_step.py; BENCHMARKS.md).
 
 The stacks are copied once at load time, one projection at a time, and the store's entries
 replaced, so the old stack is freed before the next is built: the extra memory is one projection's
-stack of one layer, and what the old stacks held goes back to the device at the end. Not for expert parallelism, where the routed experts are split whole across
-ranks but the shared expert is cut like a dense MLP.
+stack of one layer, and what the old stacks held goes back to the device at the end. Not for
+expert parallelism, where the routed experts are split whole across ranks but the shared expert is
+cut like a dense MLP.
 """
 from __future__ import annotations
 
@@ -21,22 +22,23 @@ from .formats import DenseWeight, Fp8Weight, LinearWeight
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _stacked_with(stack: LinearWeight, one: LinearWeight) -> LinearWeight | None:
-    """stack [E, N, K] and one [N, K] -> [E + 1, N, K], one last (a copy); None where the two
-    cannot share a record (formats, dtypes, scale layouts or shapes differ)."""
+def _stackable(stack: LinearWeight, one: LinearWeight) -> bool:
+    """Whether one [N, K] can join stack [E, N, K] in one record: same format, dtype, scale
+    layout and shape."""
     if stack.shape[1:] != one.shape:
-        return None
+        return False
     if isinstance(stack, DenseWeight) and isinstance(one, DenseWeight):
-        if stack.weight.dtype != one.weight.dtype:
-            return None
+        return stack.weight.dtype == one.weight.dtype
+    return (isinstance(stack, Fp8Weight) and isinstance(one, Fp8Weight) and stack.block == one.block
+            and one.scale.numel() == stack.scale[0].numel())
+
+
+def _stacked_with(stack: LinearWeight, one: LinearWeight) -> LinearWeight:
+    """stack [E, N, K] and a _stackable one [N, K] -> [E + 1, N, K], one last (a copy)."""
+    if isinstance(stack, DenseWeight):
         return DenseWeight(torch.cat([stack.weight, one.weight[None]]))
-    if isinstance(stack, Fp8Weight) and isinstance(one, Fp8Weight) and stack.block == one.block:
-        if one.scale.numel() != stack.scale[0].numel():
-            return None
-        scale = one.scale.reshape(stack.scale.shape[1:]).to(stack.scale.dtype)
-        return Fp8Weight(torch.cat([stack.weight, one.weight[None]]), torch.cat([stack.scale, scale[None]]),
-                         stack.block)
-    return None
+    scale = one.scale.reshape(stack.scale.shape[1:]).to(stack.scale.dtype)
+    return Fp8Weight(torch.cat([stack.weight, one.weight[None]]), torch.cat([stack.scale, scale[None]]), stack.block)
 
 
 def fold_shared_experts(spec: ModelSpec, weights: dict, prefix: str = "model.language_model") -> list[int]:
@@ -55,7 +57,7 @@ def fold_shared_experts(spec: ModelSpec, weights: dict, prefix: str = "model.lan
         if any(weights[e].shape[0] != moe.num_experts for e, _ in names):
             continue
         # every projection checked before any is replaced, so a layer is folded whole or not at all
-        if any(_stacked_with(weights[e][:1], weights[s]) is None for e, s in names):
+        if not all(_stackable(weights[e], weights[s]) for e, s in names):
             continue
         for e, s in names:
             weights[e] = _stacked_with(weights[e], weights.pop(s))
