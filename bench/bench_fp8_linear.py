@@ -5,8 +5,9 @@ per weight copy), GLM-4.5V-like shapes.
         the Triton path (row kernel up to 2 tokens, else the tile) against torch._scaled_mm with
         the activations quantised per token (channel scales) or per token and 128 columns
         (block scales)
-    python bench/bench_fp8_linear.py --tiles n:k:warps:stages,... [--ms 4,8,16,32] [--block]
-        the tile kernel's configurations against its current choice (channel scales, or block)
+    python bench/bench_fp8_linear.py --tiles n:k:warps:stages[:splits],... [--ms 4,8,16,32] [--block]
+        the tile kernel's configurations against its current choice (channel scales, or block);
+        splits > 1 divides K over that many programs, the partials added by a second launch
 """
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ def tile_sweep(ms: list[int], tiles: list[tuple[int, ...]], block) -> None:
             ref = fl.fp8_linear_ref(x, ws[0])
             cur = graph_time_us([lambda w=w: fl._triton_fp8_linear(x, w, None, True) for w in ws])
             results = []
-            for bn, bk, nw, ns in tiles:
-                tile = (16 if m <= 16 else 32, bn, bk, nw, ns)
+            for bn, bk, nw, ns, *split in tiles:
+                tile = (16 if m <= 16 else 32, bn, bk, nw, ns, *split)
                 try:
                     err = rel_err(fl._triton_fp8_linear(x, ws[0], None, True, tile=tile), ref)
                     assert err < 2e-2, err
@@ -77,7 +78,7 @@ def tile_sweep(ms: list[int], tiles: list[tuple[int, ...]], block) -> None:
                 except Exception as exc:  # shared memory or register limits
                     print(f"    {tile}: {type(exc).__name__} {str(exc)[:80]}", flush=True)
                     continue
-                results.append((us, f"{bn}:{bk}:{nw}:{ns}"))
+                results.append((us, ":".join(str(v) for v in tile[1:])))
             best = min(results)
             print(f"| {n} x {k} | {m} | {pct(n, k, cur)} | {best[1]} | {pct(n, k, best[0])} | "
                   + ", ".join(f"{t} {u:.1f}" for u, t in results) + " |", flush=True)
@@ -86,7 +87,7 @@ def tile_sweep(ms: list[int], tiles: list[tuple[int, ...]], block) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ms", default="")
-    parser.add_argument("--tiles", default="", help="n:k:warps:stages,... of the tile kernel to sweep")
+    parser.add_argument("--tiles", default="", help="n:k:warps:stages[:splits],... of the tile kernel to sweep")
     parser.add_argument("--block", action="store_true", help="--tiles: 128x128 block scales instead of channel")
     args = parser.parse_args()
     torch.manual_seed(0)

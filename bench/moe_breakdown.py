@@ -4,7 +4,9 @@ difference is the time between kernels (launch gaps, ramp-up and tails).
 
     python bench/moe_breakdown.py [--ts 1,8] [--only mxfp4,mxfp4_20b,fp8_channel,fp8_block,dense] [--words] [--rows ...]
 
-Cases as in bench/bench_moe_sweep.py; --words also times MXFP4's word-decode kernels (n8 k256 w1).
+Cases as in bench/bench_moe_sweep.py; --words also times MXFP4's word-decode kernels (n8 k256 w1);
+--shared adds one expert that every token takes with weight 1, as GLM-4.5V's shared expert is run
+once folded into the routed stacks (engine/weights/shared_expert.py): E + 1 experts, k + 1 pairs a token.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from bench_moe_sweep import (CALLS, COPY_CEILING_GBS, expert_bytes, graph_time_u
                              random_routings)
 
 from localchat.kernels.moe import MoeConfig, default_config, fused_moe  # noqa: E402
+from localchat.kernels.moe_routing import with_shared_expert  # noqa: E402
 
 CASES = {"mxfp4": ("gpt-oss-120b MXFP4", 128, 4, 2880, 2880, 3),
          "mxfp4_20b": ("gpt-oss-20b MXFP4", 32, 4, 2880, 2880, 3),
@@ -59,19 +62,26 @@ def main() -> None:
                         "after slashes: c sums each token's rows in the down kernel, dN:K:W:S is the down "
                         "kernel's tile (gemv:16:256:2:3/d64:256:4:3/c); of half2: tK, the K step after the last "
                         "whole one (half2:8:256:1:3/t256: one masked step)")
+    parser.add_argument("--shared", action="store_true",
+                        help="FP8 and bf16 cases: one more expert taken by every token with weight 1")
     args = parser.parse_args()
     torch.manual_seed(0)
     for key in args.only.split(","):
         name, e, k, h, i, fmt_code = CASES[key]
         mx = key.startswith("mxfp4")
         family = "mxfp4" if mx else key  # make_case / random_routings know one MXFP4 case
-        experts = make_case(family, e, h, i)
+        shared = args.shared and not mx
+        if shared:
+            name += " + shared expert"
+        experts = make_case(family, e + shared, h, i)
         per_expert = expert_bytes(experts)
         for t in (int(v) for v in args.ts.split(",")):
             x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
             routings = random_routings(family, t, e, k)
+            if shared:
+                routings = [with_shared_expert(w, ids, e) for w, ids in routings]
             nbytes = per_expert * sum(ids.unique().numel() for _, ids in routings) / CALLS
-            base = default_config(t * k, e, fmt_code, True, 2)
+            base = default_config(t * (k + shared), e + shared, fmt_code, True, 2)
             variants = [("default", base)]
             if mx and args.words:
                 variants.append(("words", MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True)))

@@ -2,7 +2,8 @@
 
 Decode sizes (M <= 2): a row-streaming Triton kernel reads W once in wide slabs and reduces
 each token against it with FMAs, split over N so 1 token fills the GPU. Medium M: the weight-only
-tile kernel of the MoE GEMMs with one "expert". From 33 tokens on CUDA: torch._scaled_mm on FP8 tensor
+tile kernel of the MoE GEMMs with one "expert", its K split over up to 4 programs when the outputs
+alone give too few (tile_k_splits; the float32 partials added by one more launch). From 33 tokens on CUDA: torch._scaled_mm on FP8 tensor
 cores. Channel/tensor scales: the activations quantised per token on the fly (dynamic scales, as
 compressed-tensors FP8_DYNAMIC checkpoints expect, models.md B). 128x128 block scales: cuBLAS's
 blockwise recipe (CUDA 12.9+, Hopper; reached through torch._scaled_mm since pytorch/pytorch
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..engine.weights.formats import Fp8Weight
-from .gpu_facts import compiled_on_gpu
+from .gpu_facts import MEASURED_SMS, compiled_on_gpu, sm_count
 from .moe_gemm import FMT_FP8_BLK, FMT_FP8_ROW, _row_scale, _weight_dot
 from .row_gemv import GEMV_MAX_M, row_gemv_kernel
 
@@ -126,23 +127,47 @@ def quant_groups_ref(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Te
 
 @triton.jit
 def _fp8_linear_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, b_ptr, out_ptr, stride_om,
-                       M, N, K, FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       M, N, K, K_SPLIT, FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
+    """Grid (M blocks, N blocks, SPLIT_K). SPLIT_K > 1: program z reduces K columns [z * K_SPLIT,
+    (z + 1) * K_SPLIT) (K_SPLIT a multiple of BLOCK_K) and stores its float32 partial, channel
+    scales applied, at out [z, M, N] for _sum_splits_kernel; else the finished rows in out."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     m_valid = m < M
     rows = tl.where(m_valid, m, 0).to(tl.int64)
     n_mask = n < N
     zero = tl.program_id(0) * 0  # the "expert" index of the shared tile code
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = split * K_SPLIT
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
         acc = _weight_dot(acc, w_ptr, s_ptr, zero, n, n_mask, k0, K, x_ptr, rows, m_valid, stride_xm,
                           0, stride_wn, 0, stride_sn, stride_sk, FORMAT, False, SBN, SBK, BLOCK_K, "bf16")
     acc = _row_scale(acc, s_ptr, zero, n, n_mask, 0, stride_sn, FORMAT)
+    mask = m_valid[None, :] & n_mask[:, None]
+    if SPLIT_K > 1:
+        tl.store(out_ptr + (split * M + rows[None, :]) * N + n[:, None], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + rows[None, :] * stride_om + n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, b_ptr, out_ptr, stride_om, M, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """out [M, N] = the SPLIT_K float32 partials [SPLIT_K, M, N] added in split order (+ bias)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for z in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + z * M * N + i, mask=mask, other=0.0)
+    n = i % N
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + rows[None, :] * stride_om + n[:, None], acc.to(out_ptr.dtype.element_ty),
-             mask=m_valid[None, :] & n_mask[:, None])
+        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (i // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _gemv_block_k(fmt: int, sbk: int) -> int:
@@ -155,12 +180,25 @@ def _gemv_block_k(fmt: int, sbk: int) -> int:
     return math.gcd(sbk, 512)
 
 
+def tile_k_splits(programs: int, k_steps: int, num_sms: int = MEASURED_SMS) -> int:
+    """K splits of the tile kernel: a grid under two programs per SM walks long K loops with the
+    GPU half idle, so K is shared by up to 4 programs (about 3 per SM), when each keeps at least
+    4 K steps. H200, 4-32 tokens, channel scales (bench/bench_fp8_linear.py --tiles, split 1/2/3/4/8):
+    GLM-4.5V o_proj 4096 x 12288 (128 programs) 28.6 -> 21.5 us at 4 tokens, 39.6 -> 26.3 at 32 with
+    4 splits; 2816 x 4096 (88) 10.8 -> 9.1 and 14.5 -> 10.6; block scales o_proj 36.4 -> 23.0 (8
+    tokens), 43.6 -> 28.4 (32). Not split: q/k/v 12288 x 4096 (384 programs; 2 splits 1-4% slower)
+    and 4096 x 1408 (5.5 K steps; any split 10-15% slower)."""
+    if programs >= 2 * num_sms or k_steps < 16:
+        return 1
+    return max(1, min(4, triton.cdiv(3 * num_sms, programs), k_steps // 4))
+
+
 def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, on_gpu: bool,
                        block_n: int | None = None, block_k: int | None = None,
                        stages: int | None = None, tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """The Triton paths: the row GEMV up to GEMV_MAX_M tokens (block_n, block_k, stages override
-    its tile), else the tile kernel (tile: (block_m, block_n, block_k, warps, stages) overrides
-    its choice; benchmarks)."""
+    its tile), else the tile kernel (tile: (block_m, block_n, block_k, warps, stages[, K splits])
+    overrides its choice; benchmarks)."""
     m, k = x.shape
     n = w.weight.shape[0]
     if w.block is None:
@@ -189,8 +227,10 @@ def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
             M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k if on_gpu else min(block_k, 32),
             STAGES=(stages or FP8_GEMV_STAGES) if on_gpu else 1, num_warps=4)
         return out
+    split_k = 1
     if tile is not None:
-        block_m, block_n, block_k, warps, stages = tile
+        block_m, block_n, block_k, warps, stages, *split = tile
+        split_k = split[0] if split else 1
     elif on_gpu:
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
         block_n, block_k, warps, stages = (32, 128, 4, 4) if m <= 32 else (64, 128, 4, 3)
@@ -203,10 +243,22 @@ def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
         block_m, block_n, block_k, warps, stages = 16, 32, 32, 1, 1
     if fmt == FMT_FP8_BLK and sbk % block_k:
         block_k = sbk
-    _fp8_linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-        x, x.stride(0), w.weight, w.weight.stride(0), s, *s_strides, bias if bias is not None else x, out,
-        out.stride(0), m, n, k, FORMAT=fmt, SBN=sbn, SBK=sbk, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    if tile is None and on_gpu:
+        split_k = tile_k_splits(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), triton.cdiv(k, block_k),
+                                sm_count(x.device))
+    # each split a whole number of K steps, none empty
+    k_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
+    split_k = triton.cdiv(k, k_split)
+    part = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    _fp8_linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)](
+        x, x.stride(0), w.weight, w.weight.stride(0), s, *s_strides, bias if bias is not None else x, part,
+        out.stride(0), m, n, k, k_split, FORMAT=fmt, SBN=sbn, SBK=sbk, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=warps, num_stages=stages)
+    if split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, bias if bias is not None else x, out, out.stride(0),
+                                                         m, n, SPLIT_K=split_k, HAS_BIAS=bias is not None,
+                                                         BLOCK=block)
     return out
 
 

@@ -126,8 +126,8 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
     activations the tensor-core kernels that decode each expert once for its pairs
     (moe_mx_mma.py), more pairs per block as the pairs per expert grow; fp16 activations take the
     dot_scaled tiles there. FP8: pipelined row kernels up to one pair per expert (GLM-4.5V to 16 tokens; 64 rows
-    a program beyond half a pair; up to half a pair the down kernel sums each token's rows and
-    has its own tile), then tiles (at 8 and 16 tokens the 16x64 tile measured 10-23% slower than
+    a program from two tokens; at one token the down kernel sums each token's rows and has its
+    own tile), then tiles (at 8 and 16 tokens the 16x64 tile measured 10-23% slower than
     the row kernels)."""
     if not on_gpu:
         return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
@@ -149,12 +149,13 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
         return MoeConfig(64, 128, 128, 4, 3, mx_mma=True)
     if fmt != FMT_MXFP4 and per_expert <= 1:
         if fmt in (FMT_FP8_ROW, FMT_FP8_BLK):
-            # up to half a pair per expert (GLM-4.5V to 8 tokens) each token's rows are summed by the
-            # down kernel (no combine launch) and down gets its own tile; at 16 tokens both lost
-            if per_expert <= 0.125:
+            # one token's pairs (GLM-4.5V: 8, or 9 with its shared expert folded in): each token's
+            # rows summed by the down kernel (no combine launch), down on a tile of its own; from two
+            # tokens 64 rows a program, which measured 11-13% faster at 2 tokens (channel scales; gate/up
+            # 60 -> 48 us), 1-3% at 4, within 1% at 6, and 1-6% slower at 3 (bench/NOTES-moe.md;
+            # whole model at batch 2 / 4: +8% / +6%)
+            if per_expert <= 0.1:
                 return MoeConfig(1, 16, 256, 2, 3, gemv=True, fused_combine=True, down_tile=(32, 256, 4, 2))
-            if per_expert <= 0.5:
-                return MoeConfig(1, 32, 256, 4, 3, gemv=True, fused_combine=True, down_tile=(64, 256, 4, 3))
             return MoeConfig(1, 64, 256, 4, 3, gemv=True)
         return MoeConfig(1, 16, 256, 4, 1, gemv=True)
     block_k = 256 if fmt == FMT_MXFP4 else 128

@@ -25,11 +25,40 @@ def test_fp8_linear(block, m, dtype):
     assert rel_err(out, fp8_linear_ref(x, fw, b)) < (1e-5 if dtype == torch.float32 else 3e-3)
 
 
+@pytest.mark.parametrize("block", [None, (32, 32)])
+@pytest.mark.parametrize("split", [2, 3, 7])
+def test_fp8_linear_tile_split_k(block, split):
+    # the tile with K split over programs, the float32 partials added by a second launch: K = 208
+    # in steps of 32 is 7 steps, so 3 splits take 3 + 3 + 1 and 7 one each; bias added once;
+    # the output poisoned first
+    from localchat.kernels.fp8_linear import _triton_fp8_linear
+    m, n, k = 5, 72, 208
+    w = torch.randn(n, k, device=DEV) / 9
+    fw = Fp8Weight(*quantize_fp8_blocks(w, *block), block=block) if block else Fp8Weight(*quantize_fp8_rows(w))
+    x = torch.randn(m, k, device=DEV)
+    b = torch.randn(n, device=DEV)
+    ref = fp8_linear_ref(x, fw, b)
+    for tile in ((16, 32, 32, 1, 1, split), (16, 16, 32, 1, 1, split)):
+        torch.empty(m * n * split * 4, device=DEV).fill_(float("nan"))  # poison what the allocator hands out next
+        out = _triton_fp8_linear(x, fw, b, on_gpu=False, tile=tile)
+        assert rel_err(out, ref) < (1e-5 if DEV == "cpu" else 1e-3)  # the GPU's float32 dot is tf32
+
+
+def test_tile_k_splits():
+    from localchat.kernels.fp8_linear import tile_k_splits
+    assert tile_k_splits(128, 48, 132) == 4  # GLM-4.5V o_proj at up to 32 tokens
+    assert tile_k_splits(88, 16, 132) == 4  # its shared expert's gate/up shape
+    assert tile_k_splits(200, 32, 132) == 2
+    assert tile_k_splits(384, 16, 132) == 1  # q/k/v: enough programs
+    assert tile_k_splits(128, 6, 132) == 1  # short K
+    assert tile_k_splits(8, 20, 132) == 4 and tile_k_splits(8, 17, 132) == 4 and tile_k_splits(100, 16, 16) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [None, (128, 128)])
 @pytest.mark.parametrize("m", [1, 4, 8, 32, 40, 2048])
-def test_fp8_linear_gpu(block, m):
-    n, k = 12288, 4096  # GLM-4.5V q_proj
+@pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 12288)])  # GLM-4.5V q_proj, o_proj (K split at 3-32 tokens)
+def test_fp8_linear_gpu(block, m, n, k):
     w = torch.randn(n, k, device="cuda") / 64
     fw = Fp8Weight(*quantize_fp8_blocks(w), block=block) if block else Fp8Weight(*quantize_fp8_rows(w))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -320,7 +320,7 @@ def test_down_options_need_one_pair_row_kernels():
 
 
 @pytest.mark.parametrize("fmt", ["fp8_channel", "fp8_block"])
-@pytest.mark.parametrize("e,t", [(16, 1), (4, 1)])  # 1/8 and 1/2 pair per expert at top-2
+@pytest.mark.parametrize("e,t", [(32, 1), (25, 1)])  # 1/16 and 2/25 pair per expert at top-2
 def test_glm_gpu_defaults_on_small_shapes(fmt, e, t):
     # the configurations the GPU picks at decode sizes (fused token sums, a down tile of its own),
     # run by the interpreter on small experts: H=300 leaves a partial K step and row block
@@ -333,3 +333,16 @@ def test_glm_gpu_defaults_on_small_shapes(fmt, e, t):
     w, ids = random_routing(t, e, k)
     out = fused_moe(x, experts, w, ids, config=cfg)
     assert rel_err(out, fused_moe_ref(x, experts, w, ids)) < TOL[torch.float32]
+
+
+def test_glm_fp8_decode_defaults():
+    # GLM-4.5V (128 routed experts + its shared expert folded in as the 129th, 8 + 1 pairs a token):
+    # one token sums its rows in the down kernel, from two tokens 64-row programs and the combine
+    from localchat.kernels.moe import FMT_FP8_BLK, FMT_FP8_ROW, default_config
+    for fmt in (FMT_FP8_ROW, FMT_FP8_BLK):
+        one = default_config(9, 129, fmt, on_gpu=True)
+        assert one.gemv and one.fused_combine and (one.block_n, one.down_tile) == (16, (32, 256, 4, 2))
+        for t in (2, 3, 8, 14):
+            cfg = default_config(9 * t, 129, fmt, on_gpu=True)
+            assert cfg.gemv and not cfg.fused_combine and cfg.block_n == 64 and cfg.down_tile is None
+        assert not default_config(9 * 16, 129, fmt, on_gpu=True).gemv  # above one pair per expert: tiles
