@@ -9,7 +9,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from localchat.kernels.attention_decode import _decode_split_kernel
-from localchat.kernels.fp8_linear import _quant_groups_kernel, _quant_rows_kernel
+from localchat.kernels.fp8_linear import (_fp8_linear_kernel, _quant_groups_kernel, _quant_rows_kernel,
+                                         _sum_splits_kernel)
 from localchat.kernels.glu import _silu_mul_kernel
 from localchat.kernels.moe_align import _align_count_kernel, _align_scatter_kernel
 from localchat.kernels.moe_gemm import moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel
@@ -120,6 +121,12 @@ CASES += [
     ("MoE align scatter per chunk", _align_scatter_kernel,
      _types({"ids_ptr": "*i32", "counts_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}),
      dict(BLOCK_M=64, BM_PAD=64, E_PAD=128, CHUNK=64, SUB=64, ROWS=32, PAD_COLS=32, SLOTS=128, BLOCKS=2), 4, 1),
+    # GLM-4.5V's o_proj at 3-32 tokens: K split over 4 programs, their partials added by a second launch
+    ("FP8 linear tile 32x32x256, K split", _fp8_linear_kernel,
+     _types({"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*fp32"}),
+     dict(FORMAT=1, SBN=1, SBK=1, HAS_BIAS=False, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4), 4, 3),
+    ("FP8 linear K splits added", _sum_splits_kernel, _types({"part_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
+     dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024), 4, 1),
     ("SiLU-gated product", _silu_mul_kernel, _types({"gu_ptr": "*bf16", "out_ptr": "*bf16"}), dict(BLOCK=1024), 4, 1),
     ("rotary + paged cache write, GLM-4.5V heads", _rotary_kernel,
      _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "v_ptr", "kc_ptr", "vc_ptr")}
