@@ -17,6 +17,12 @@ launch from 16 splits, and fewer splits were slower anyway (BENCHMARKS.md, Kerne
 late). With one split (short key ranges at large batches, sliding-window layers) the program
 finishes the rows itself and there is no combine launch. num_splits depends only on static
 shapes, so the launch is CUDA-graph safe.
+
+rotary_decode_attention also takes over kernels/rotary.py's work for the decode step: each split
+program rotates its q heads as it loads them, and the program whose keys include the new token
+rotates that key, stores key and value in the cache and adds them to its sums from registers
+(the cache slot is not read back in the same launch). One launch and one graph node fewer per
+layer: a batch-1 step 1-2% shorter (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -25,16 +31,39 @@ import triton
 import triton.language as tl
 
 from .gpu_facts import MEASURED_SMS, sm_count
+from .rotary import apply_rotary_ref
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _rotated(src, row_ptr, d, mask, cos_row, sin_row, R: tl.constexpr):
+    """src [.., D] (as loaded from row_ptr + d under mask) rotated by the angles at cos_row /
+    sin_row [R] exactly as kernels/rotary.py does it, in float32."""
+    partner = tl.where(d < R // 2, d + R // 2, d - R // 2)
+    rot = d < R
+    xp = tl.load(row_ptr + partner, mask=mask & rot, other=0.0).to(tl.float32)
+    c = tl.load(cos_row + d, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(sin_row + d, mask=rot, other=0.0).to(tl.float32)
+    sign = tl.where(d < R // 2, -1.0, 1.0)
+    x = src.to(tl.float32)
+    return tl.where(rot, x * c + sign * xp * s, x)
 
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, mid_ml_ptr, sinks_ptr, out_ptr,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                          stride_tb, stride_ob, stride_oh, qk_scale, window, block_size, HQ,
+                         kn_ptr, vn_ptr, stride_knb, stride_knh, stride_vnb, stride_vnh, cos_ptr, sin_ptr, stride_c,
+                         slots_ptr,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+                         ROTARY: tl.constexpr = False, R: tl.constexpr = 2):
+    """ROTARY: q is the new token's unrotated projection, kn / vn its key and value; the rotation
+    of kernels/rotary.py (angles cos / sin [B, R]) is applied to q here, and the program whose key
+    range holds the new token (position ctx - 1) rotates its key, stores key and value in the cache
+    at slots[b] (skipped when negative) and adds them to its sums from registers, so no program
+    reads that cache slot in this launch and the rotary launch before attention is saved."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -50,15 +79,22 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
     d = tl.arange(0, D)
     heads = kvh * G + g
     g_mask = g < G
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=g_mask[:, None], other=0.0)
+    loop_end = end
+    if ROTARY:
+        # rounded to q's dtype as the rotary kernel's output is
+        q = _rotated(q, q_rows, d[None, :], g_mask[:, None], cos_ptr + b * stride_c, sin_ptr + b * stride_c,
+                     R).to(q_ptr.dtype.element_ty)
+        loop_end = tl.minimum(end, ctx - 1)  # the new key joins from registers below
     q = (q.to(tl.float32) * qk_scale).to(k_ptr.dtype.element_ty)  # scale folded in, log2 domain
 
     m = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((G_PAD,), dtype=tl.float32)
     acc = tl.zeros((G_PAD, D), dtype=tl.float32)
-    for j0 in range(start, end, BLOCK_N):
+    for j0 in range(start, loop_end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        j_mask = j < end
+        j_mask = j < loop_end
         page = tl.load(tables_ptr + b * stride_tb + j // block_size, mask=j_mask, other=0).to(tl.int64)
         slot = j % block_size
         k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
@@ -73,6 +109,27 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
+
+    if ROTARY:
+        if (start <= ctx - 1) & (ctx - 1 < end):
+            kn_row = kn_ptr + b * stride_knb + kvh * stride_knh
+            kn = tl.load(kn_row + d)
+            kn = _rotated(kn, kn_row, d, d < D, cos_ptr + b * stride_c, sin_ptr + b * stride_c, R)
+            kn = kn.to(k_ptr.dtype.element_ty)
+            vn = tl.load(vn_ptr + b * stride_vnb + kvh * stride_vnh + d).to(v_ptr.dtype.element_ty)
+            slot = tl.load(slots_ptr + b).to(tl.int64)
+            if slot >= 0:
+                page, offset = slot // block_size, slot % block_size
+                tl.store(k_ptr + page * stride_kb + offset * stride_ks + kvh * stride_kh + d, kn)
+                tl.store(v_ptr + page * stride_vb + offset * stride_vs + kvh * stride_vh + d, vn)
+            # one more key, as a tile of one: the same products and roundings as the dots above
+            s_new = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], axis=1)
+            m_new = tl.maximum(m, s_new)
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s_new - m_new)
+            l = l * alpha + p
+            acc = acc * alpha[:, None] + p.to(vn.dtype).to(tl.float32)[:, None] * vn.to(tl.float32)[None, :]
+            m = m_new
 
     if NUM_SPLITS == 1:  # the whole key range: finish as the combine would
         if HAS_SINKS:
@@ -150,6 +207,43 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     per tile), num_warps and num_stages (key tiles in flight) of the split kernel: two tiles in
     flight leave room in shared memory for more programs per SM, which measured faster than
     three or four at batch 1-8 (bench/bench_attention_splits.py)."""
+    return _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sinks, window, None,
+                             num_splits, block_n, num_warps, num_stages)
+
+
+def rotary_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float, sinks: torch.Tensor | None = None, window: int | None = None,
+                            num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
+                            num_stages: int = 2) -> torch.Tensor:
+    """apply_rotary(q, k, cos, sin, v, k_cache, v_cache, slot_mapping) followed by
+    paged_decode_attention on the rotated q, in the attention launches alone: q [B, Hq, D], k / v
+    [B, Hkv, D] the new token's projections before rotation, cos / sin [B, R] its angles (as
+    kernels/rotary.py takes them), slot_mapping [B] its cache slot (negative: not stored). The
+    split kernel rotates q as it loads it; the one program per sequence and KV head whose keys
+    include the new token rotates the key, stores key and value in the cache and counts them
+    from registers. Same results as the two calls, one launch fewer."""
+    r = cos.shape[-1]
+    if r > q.shape[-1] or r % 2 or cos.shape != sin.shape or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        raise ValueError(f"cos/sin must be [B, R] contiguous with even R <= head_dim {q.shape[-1]}, got "
+                         f"{tuple(cos.shape)}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.shape != v.shape or k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"k and v [B, Hkv, D] must match the cache's heads and be contiguous along head_dim, got "
+                         f"{tuple(k.shape)} / {tuple(v.shape)}")
+    return _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sinks, window,
+                             (k, v, cos, sin, slot_mapping), num_splits, block_n, num_warps, num_stages)
+
+
+def rotary_decode_attention_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+                                scale, sinks=None, window=None, num_splits=None, block_n=64, num_warps=4,
+                                num_stages=2):
+    q_rot, _ = apply_rotary_ref(q, k, cos, sin, v, k_cache, v_cache, slot_mapping)
+    return paged_decode_attention_ref(q_rot, k_cache, v_cache, block_tables, context_lens, scale, sinks, window)
+
+
+def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sinks, window, rotary,
+                      num_splits, block_n, num_warps, num_stages) -> torch.Tensor:
     bsz, hq, d = q.shape
     _, block_size, hkv, dk = k_cache.shape
     if dk != d or hq % hkv or d & (d - 1):
@@ -168,13 +262,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     direct = num_splits == 1
     mid_o = out if direct else torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
     mid_ml = out if direct else torch.empty((bsz, hq, num_splits, 2), dtype=torch.float32, device=q.device)
+    if rotary is None:
+        new_kv = (q, q, 0, 0, 0, 0, q, q, 0, q)
+        rot = dict()
+    else:
+        k, v, cos, sin, slots = rotary
+        new_kv = (k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos, sin, cos.stride(0), slots)
+        rot = dict(ROTARY=True, R=cos.shape[-1])
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_ml, sinks if sinks is not None else q, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E, window or 0, block_size, hq,
+        scale * LOG2E, window or 0, block_size, hq, *new_kv,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
+        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, **rot,
         num_warps=num_warps, num_stages=num_stages)
     if direct:
         return out

@@ -1,7 +1,8 @@
 """Causal self-attention with GQA, optional attention sinks and sliding window.
 
-CUDA runs the Triton kernels (rotary fused with the cache write, paged attention); elsewhere
-their torch references (same signatures) run.
+CUDA runs the Triton kernels (rotary fused with the cache write, paged attention; at decode the
+rotation and the cache write ride in the attention launch itself); elsewhere their torch
+references (same signatures) run.
 Keys and values live in a paged cache (engine/runtime/kv_cache.py); a ForwardBatch says which slots.
 With a split cache (gpt-oss), a sliding-window layer keeps its K/V in the sliding group and reads
 that group's block tables and slots; every other layer, and every layer of a one-group cache,
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.attention_decode import paged_decode_attention, paged_decode_attention_ref
+from ...kernels.attention_decode import paged_decode_attention, paged_decode_attention_ref, rotary_decode_attention
 from ...kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
 from ...kernels.rotary import apply_rotary, apply_rotary_ref
 from ..parallel.context import SINGLE, ParallelContext
@@ -77,8 +78,13 @@ class SelfAttention:
         tables, slots = batch.block_tables, batch.slot_mapping
         if sliding:
             tables, slots = batch.sliding_block_tables, batch.sliding_slot_mapping
-        # One pass rotates q and k and stores the new keys and values in the paged cache.
-        rotary = apply_rotary if x.is_cuda else apply_rotary_ref
-        q, _ = rotary(q, k, cos, sin, v, k_cache, v_cache, slots)
-        out = paged_attention(q, k_cache, v_cache, batch, self.scale, self.sinks, self.window, tables)
+        if x.is_cuda and batch.is_decode:
+            # the rotation and the cache write of the new token happen inside the attention launch
+            out = rotary_decode_attention(q, k, v, cos, sin, k_cache, v_cache, slots, tables, batch.context_lens,
+                                          self.scale, self.sinks, self.window)
+        else:
+            # one pass rotates q and k and stores the new keys and values in the paged cache
+            rotary = apply_rotary if x.is_cuda else apply_rotary_ref
+            q, _ = rotary(q, k, cos, sin, v, k_cache, v_cache, slots)
+            out = paged_attention(q, k_cache, v_cache, batch, self.scale, self.sinks, self.window, tables)
         return linear(out.reshape(t, -1), self.o, self.o_b)
