@@ -263,7 +263,7 @@ def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, si
     mid_o = out if direct else torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
     mid_ml = out if direct else torch.empty((bsz, hq, num_splits, 2), dtype=torch.float32, device=q.device)
     if rotary is None:
-        new_kv = (q, q, 0, 0, 0, 0, q, q, 0, q)
+        new_kv = (q, q, 0, 0, 0, 0, q, q, 0, q)  # stand-ins, never read
         rot = dict()
     else:
         k, v, cos, sin, slots = rotary

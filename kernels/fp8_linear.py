@@ -4,8 +4,9 @@ Decode sizes (M <= 2): a row-streaming Triton kernel reads W once in wide slabs 
 each token against it with FMAs, split over N so 1 token fills the GPU. Medium M: the weight-only
 tile kernel of the MoE GEMMs with one "expert", its K split over up to 4 programs when the outputs
 alone give too few (tile_k_splits; the float32 partials added by one more launch). From 33
-tokens on CUDA: torch._scaled_mm on FP8 tensor cores. Channel/tensor scales: the activations quantised per token on the fly (dynamic scales, as
-compressed-tensors FP8_DYNAMIC checkpoints expect, models.md B). 128x128 block scales: cuBLAS's
+tokens on CUDA: torch._scaled_mm on FP8 tensor cores. Channel/tensor scales: the activations
+quantised per token on the fly (dynamic scales, as compressed-tensors FP8_DYNAMIC checkpoints
+expect, models.md B). 128x128 block scales: cuBLAS's
 blockwise recipe (CUDA 12.9+, Hopper; reached through torch._scaled_mm since pytorch/pytorch
 PR 158037), the activations quantised per token and 128-column group by _quant_groups_kernel
 (the 1x128 activation / 128x128 weight scaling of DeepSeek-style FP8 checkpoints; GLM-4.5V-FP8

@@ -125,7 +125,8 @@ CASES += [
     ("FP8 linear tile 32x32x256, K split", _fp8_linear_kernel,
      _types({"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*fp32"}),
      dict(FORMAT=1, SBN=1, SBK=1, HAS_BIAS=False, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4), 4, 3),
-    ("FP8 linear K splits added", _sum_splits_kernel, _types({"part_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
+    ("FP8 linear K splits added", _sum_splits_kernel,
+     _types({"part_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
      dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024), 4, 1),
     ("SiLU-gated product", _silu_mul_kernel, _types({"gu_ptr": "*bf16", "out_ptr": "*bf16"}), dict(BLOCK=1024), 4, 1),
     ("rotary + paged cache write, GLM-4.5V heads", _rotary_kernel,
@@ -136,7 +137,8 @@ CASES += [
      _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "sinks_ptr", "out_ptr")}
             | {"tables_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32",
                "qk_scale": "fp32"}),
-     dict(G=8, G_PAD=16, D=64, BLOCK_N=64, NUM_SPLITS=64, HAS_WINDOW=False, HAS_SINKS=True, ROTARY=False, R=2), 4, 2),
+     dict(G=8, G_PAD=16, D=64, BLOCK_N=64, NUM_SPLITS=64, HAS_WINDOW=False, HAS_SINKS=True, ROTARY=False, R=2),
+     4, 2),
     ("decode attention split with the new token's rotation and cache write, GLM-4.5V", _decode_split_kernel,
      _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "sinks_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
             | {"tables_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32",
