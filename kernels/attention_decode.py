@@ -31,23 +31,9 @@ import triton
 import triton.language as tl
 
 from .gpu_facts import MEASURED_SMS, sm_count
-from .rotary import apply_rotary_ref
+from .rotary import apply_rotary_ref, rotate_loaded
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _rotated(src, row_ptr, d, mask, cos_row, sin_row, R: tl.constexpr):
-    """src [.., D] (as loaded from row_ptr + d under mask) rotated by the angles at cos_row /
-    sin_row [R] exactly as kernels/rotary.py does it, in float32."""
-    partner = tl.where(d < R // 2, d + R // 2, d - R // 2)
-    rot = d < R
-    xp = tl.load(row_ptr + partner, mask=mask & rot, other=0.0).to(tl.float32)
-    c = tl.load(cos_row + d, mask=rot, other=1.0).to(tl.float32)
-    s = tl.load(sin_row + d, mask=rot, other=0.0).to(tl.float32)
-    sign = tl.where(d < R // 2, -1.0, 1.0)
-    x = src.to(tl.float32)
-    return tl.where(rot, x * c + sign * xp * s, x)
 
 
 @triton.jit
@@ -84,8 +70,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
     loop_end = end
     if ROTARY:
         # rounded to q's dtype as the rotary kernel's output is
-        q = _rotated(q, q_rows, d[None, :], g_mask[:, None], cos_ptr + b * stride_c, sin_ptr + b * stride_c,
-                     R).to(q_ptr.dtype.element_ty)
+        q = rotate_loaded(q, q_rows, d[None, :], g_mask[:, None], cos_ptr + b * stride_c, sin_ptr + b * stride_c,
+                          R).to(q_ptr.dtype.element_ty)
         loop_end = tl.minimum(end, ctx - 1)  # the new key joins from registers below
     q = (q.to(tl.float32) * qk_scale).to(k_ptr.dtype.element_ty)  # scale folded in, log2 domain
 
@@ -114,7 +100,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
         if (start <= ctx - 1) & (ctx - 1 < end):
             kn_row = kn_ptr + b * stride_knb + kvh * stride_knh
             kn = tl.load(kn_row + d)
-            kn = _rotated(kn, kn_row, d, d < D, cos_ptr + b * stride_c, sin_ptr + b * stride_c, R)
+            kn = rotate_loaded(kn, kn_row, d, d < D, cos_ptr + b * stride_c, sin_ptr + b * stride_c, R)
             kn = kn.to(k_ptr.dtype.element_ty)
             vn = tl.load(vn_ptr + b * stride_vnb + kvh * stride_vnh + d).to(v_ptr.dtype.element_ty)
             slot = tl.load(slots_ptr + b).to(tl.int64)

@@ -22,6 +22,20 @@ BLOCK_H = 8  # heads per program: one token's q and k heads spread over ~10-14 p
 
 
 @triton.jit
+def rotate_loaded(x, row_ptr, d, mask, cos_row, sin_row, R: tl.constexpr):
+    """x: elements d of the rows at row_ptr (loaded under mask) -> rotated, float32; the rotation's
+    partner elements are read from row_ptr again, the angles from cos_row / sin_row [R]."""
+    # partner element of the rotation: d + R/2 for the first half, d - R/2 for the second
+    partner = tl.where(d < R // 2, d + R // 2, d - R // 2)
+    xp = tl.load(row_ptr + partner, mask=mask & (d < R), other=0.0).to(tl.float32)
+    c = tl.load(cos_row + d, mask=d < R, other=1.0).to(tl.float32)
+    s = tl.load(sin_row + d, mask=d < R, other=0.0).to(tl.float32)
+    sign = tl.where(d < R // 2, -1.0, 1.0)
+    x = x.to(tl.float32)
+    return tl.where(d < R, x * c + sign * xp * s, x)
+
+
+@triton.jit
 def _rotated_heads(src_ptr, t, h0, stride_st, stride_sh, cos_ptr, sin_ptr, stride_c, H, R: tl.constexpr,
                    D: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr):
     """Heads h0 .. h0 + BLOCK_H (below H) of token t of src, rotated -> (values float32
@@ -29,14 +43,9 @@ def _rotated_heads(src_ptr, t, h0, stride_st, stride_sh, cos_ptr, sin_ptr, strid
     h = h0 + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, D_PAD)[None, :]
     mask = (h < H) & (d < D)
-    x = tl.load(src_ptr + t * stride_st + h * stride_sh + d, mask=mask, other=0.0).to(tl.float32)
-    # partner element of the rotation: d + R/2 for the first half, d - R/2 for the second
-    partner = tl.where(d < R // 2, d + R // 2, d - R // 2)
-    xp = tl.load(src_ptr + t * stride_st + h * stride_sh + partner, mask=mask & (d < R), other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + t * stride_c + d, mask=d < R, other=1.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_c + d, mask=d < R, other=0.0).to(tl.float32)
-    sign = tl.where(d < R // 2, -1.0, 1.0)
-    return tl.where(d < R, x * c + sign * xp * s, x), h, d, mask
+    rows = src_ptr + t * stride_st + h * stride_sh
+    x = tl.load(rows + d, mask=mask, other=0.0)
+    return rotate_loaded(x, rows, d, mask, cos_ptr + t * stride_c, sin_ptr + t * stride_c, R), h, d, mask
 
 
 @triton.jit
