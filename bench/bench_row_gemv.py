@@ -1,9 +1,8 @@
 """One-token dense and FP8 linears: the row GEMV at several pipeline depths (dense: against
 cuBLAS, F.linear on the bf16 weight), with enough weight copies in rotation that the 50 MB L2
-serves none of a call's reads. --norm: instead, the residual add + RMSNorm launch followed by the
-row GEMV against the GEMV doing both (row_gemv.PreNorm), at the q/k/v shapes.
+serves none of a call's reads.
 
-    python bench/bench_row_gemv.py [--stages 1,2,3,4] [--scales block,channel] [--only-fp8] [--norm]
+    python bench/bench_row_gemv.py [--stages 1,2,3,4] [--scales block,channel] [--only-fp8]
 """
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ from bench_moe_sweep import COPY_CEILING_GBS, copies_out_of_l2, graph_time_us  #
 
 from kernel_checks import quantize_fp8_blocks, quantize_fp8_rows, rel_err  # noqa: E402
 from localchat.engine.weights.formats import Fp8Weight  # noqa: E402
-from localchat.kernels.fp8_linear import fp8_linear, fp8_norm_gemv  # noqa: E402
-from localchat.kernels.rmsnorm import add_rms_norm  # noqa: E402
-from localchat.kernels.row_gemv import PreNorm, dense_gemv  # noqa: E402
+from localchat.kernels.fp8_linear import fp8_linear  # noqa: E402
+from localchat.kernels.row_gemv import dense_gemv  # noqa: E402
 
 SHAPES = [("gpt-oss q/k/v", 5120, 2880), ("gpt-oss o_proj", 2880, 4096), ("GLM q/k/v", 14336, 4096),
           ("GLM o_proj", 4096, 12288)]
@@ -41,12 +39,8 @@ def main() -> None:
     parser.add_argument("--scales", default="block", help="FP8 scale kinds: block (128x128), channel")
     parser.add_argument("--only-fp8", action="store_true")
     parser.add_argument("--dense-rows", default="0", help="bf16 rows per program to try (0: the default)")
-    parser.add_argument("--norm", action="store_true", help="the norm in front: two launches against one")
     args = parser.parse_args()
     torch.manual_seed(0)
-    if args.norm:
-        norm_cases()
-        return
     for name, n, k in [] if args.only_fp8 else SHAPES:
         nbytes = n * k * 2
         copies = copies_out_of_l2(nbytes)
@@ -90,40 +84,6 @@ def fp8_shape(name: str, n: int, k: int, kind: str) -> None:
               f"{us:.1f} us, {gbs / COPY_CEILING_GBS:.0%} of copy, rel err {err:.1e}", flush=True)
     del ws
     torch.cuda.empty_cache()
-
-
-def norm_cases() -> None:
-    """gpt-oss q/k/v (bf16) and GLM-4.5V-FP8 q/k/v (channel and block scales) at one token: the
-    norm's launch then the GEMV, against one GEMV launch with the norm inside."""
-    for name, n, k, kind in (("gpt-oss q/k/v", 5120, 2880, "bf16"), ("GLM-4.5V-FP8 q/k/v", 14336, 4096, "channel"),
-                             ("GLM-4.5V-FP8 q/k/v", 14336, 4096, "block")):
-        nbytes = n * k * (2 if kind == "bf16" else 1)
-        copies = copies_out_of_l2(nbytes)
-        if kind == "bf16":
-            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
-            gemv, norm_gemv = dense_gemv, lambda x, w, norm: dense_gemv(x, w, norm=norm)
-        else:
-            quant = quantize_fp8_blocks if kind == "block" else quantize_fp8_rows
-            ws = [Fp8Weight(*quant(torch.randn(n, k, device="cuda") / k ** 0.5),
-                            block=(128, 128) if kind == "block" else None) for _ in range(copies)]
-            gemv, norm_gemv = fp8_linear, fp8_norm_gemv
-        x, res = (torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        g = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
-        weight_first = kind == "bf16"
-
-        def two(w):
-            h, _ = add_rms_norm(x, res, g, 1e-5, weight_first=weight_first)
-            return gemv(h, w)
-        err = rel_err(norm_gemv(x, ws[0], PreNorm(g, 1e-5, res))[0], two(ws[0]))
-        plain = graph_time_us([lambda w=w: gemv(x, w) for w in ws])
-        sep = graph_time_us([lambda w=w: two(w) for w in ws])
-        fused = graph_time_us([lambda w=w: norm_gemv(x, w, PreNorm(g, 1e-5, res)) for w in ws])
-        print(f"{name} {kind} {n}x{k} M=1: GEMV alone {plain:.1f} us, norm + GEMV {sep:.1f} us, norm inside "
-              f"{fused:.1f} us ({nbytes / fused / 1e3 / COPY_CEILING_GBS:.0%} of copy), "
-              f"rel diff {err:.1e}", flush=True)
-        del ws
-        torch.cuda.empty_cache()
-
 
 if __name__ == "__main__":
     main()

@@ -27,7 +27,7 @@ import triton.language as tl
 from ..engine.weights.formats import Fp8Weight
 from .gpu_facts import MEASURED_SMS, compiled_on_gpu, sm_count
 from .moe_gemm import FMT_FP8_BLK, FMT_FP8_ROW, _row_scale, _weight_dot
-from .row_gemv import GEMV_MAX_M, PreNorm, pre_norm_args, pre_norm_ref, row_gemv_kernel
+from .row_gemv import GEMV_MAX_M, row_gemv_kernel
 
 FP8_MAX = 448.0
 E4M3_MAX = tl.constexpr(FP8_MAX)
@@ -194,43 +194,6 @@ def tile_k_splits(programs: int, k_steps: int, num_sms: int = MEASURED_SMS) -> i
     return max(1, min(4, triton.cdiv(3 * num_sms, programs), k_steps // 4))
 
 
-def _scale_layout(w: Fp8Weight) -> tuple[int, int, int, torch.Tensor, tuple[int, int]]:
-    """(format, scale block rows, scale block columns, float32 scales, their strides) of w."""
-    n = w.weight.shape[0]
-    if w.block is None:
-        s = w.scale.to(torch.float32).expand(n, 1)[:, 0]
-        return FMT_FP8_ROW, 1, 1, s, (s.stride(0), 0)
-    s = w.scale.to(torch.float32)
-    return FMT_FP8_BLK, *w.block, s, (s.stride(0), s.stride(1))
-
-
-def _row_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, on_gpu: bool, block_n: int | None = None,
-              block_k: int | None = None, stages: int | None = None, norm: PreNorm | None = None):
-    """The row GEMV for up to GEMV_MAX_M tokens (block_n, block_k, stages override its tile) -> out,
-    or (out, the new residual stream) with norm."""
-    m, k = x.shape
-    n = w.weight.shape[0]
-    fmt, sbn, sbk, s, s_strides = _scale_layout(w)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_k = block_k or _gemv_block_k(fmt, sbk)
-    if not on_gpu:
-        block_n = block_n or 4
-    else:
-        # H200, 1 token: 16 rows a program from 4096 outputs, 8 below, for both scale layouts,
-        # against the bf16 rule's 4 (gemv_block_n). 128x128 blocks: o_proj 24.8 -> 19.3 us,
-        # 2816 outputs 7.7 us (16 rows: 8.2). Channel scales (GLM-4.5V-FP8): o_proj 20.8 -> 17.0 us,
-        # the shared expert's gate/up 7.3 -> 6.6 and down 5.2 -> 5.0, q/k/v (14336) unchanged at 16
-        # (bench/bench_row_gemv.py --scales channel,block)
-        block_n = block_n or (16 if n >= 4096 else 8)
-    norm_args, residual = pre_norm_args(x, norm)
-    row_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, x.stride(0), w.weight, w.weight.stride(0), s, *s_strides, bias if bias is not None else x, out,
-        out.stride(0), m, n, k, FORMAT=fmt, SBN=sbn, SBK=sbk, HAS_BIAS=bias is not None,
-        M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k if on_gpu else min(block_k, 32),
-        STAGES=(stages or FP8_GEMV_STAGES) if on_gpu else 1, num_warps=4, **norm_args)
-    return out if norm is None else (out, residual)
-
-
 def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, on_gpu: bool,
                        block_n: int | None = None, block_k: int | None = None,
                        stages: int | None = None, tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
@@ -239,10 +202,32 @@ def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     overrides its choice; benchmarks)."""
     m, k = x.shape
     n = w.weight.shape[0]
-    if m <= GEMV_MAX_M:
-        return _row_gemv(x, w, bias, on_gpu, block_n, block_k, stages)
-    fmt, sbn, sbk, s, s_strides = _scale_layout(w)
+    if w.block is None:
+        fmt, sbn, sbk = FMT_FP8_ROW, 1, 1
+        s = w.scale.to(torch.float32).expand(n, 1)[:, 0]
+        s_strides = (s.stride(0), 0)
+    else:
+        fmt, (sbn, sbk) = FMT_FP8_BLK, w.block
+        s = w.scale.to(torch.float32)
+        s_strides = (s.stride(0), s.stride(1))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m <= GEMV_MAX_M:
+        block_k = block_k or _gemv_block_k(fmt, sbk)
+        if not on_gpu:
+            block_n = block_n or 4
+        else:
+            # H200, 1 token: 16 rows a program from 4096 outputs, 8 below, for both scale layouts,
+            # against the bf16 rule's 4 (gemv_block_n). 128x128 blocks: o_proj 24.8 -> 19.3 us,
+            # 2816 outputs 7.7 us (16 rows: 8.2). Channel scales (GLM-4.5V-FP8): o_proj 20.8 -> 17.0 us,
+            # the shared expert's gate/up 7.3 -> 6.6 and down 5.2 -> 5.0, q/k/v (14336) unchanged at 16
+            # (bench/bench_row_gemv.py --scales channel,block)
+            block_n = block_n or (16 if n >= 4096 else 8)
+        row_gemv_kernel[(triton.cdiv(n, block_n),)](
+            x, x.stride(0), w.weight, w.weight.stride(0), s, *s_strides, bias if bias is not None else x, out,
+            out.stride(0), m, n, k, FORMAT=fmt, SBN=sbn, SBK=sbk, HAS_BIAS=bias is not None,
+            M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k if on_gpu else min(block_k, 32),
+            STAGES=(stages or FP8_GEMV_STAGES) if on_gpu else 1, num_warps=4)
+        return out
     split_k = 1
     if tile is not None:
         block_m, block_n, block_k, warps, stages, *split = tile
@@ -342,25 +327,6 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
     else:
         out = _triton_fp8_linear(x2, w, bias, on_gpu, block_n, block_k, stages)
     return out.reshape(*lead, n)
-
-
-def fp8_norm_gemv(x: torch.Tensor, w: Fp8Weight, norm: PreNorm, bias: torch.Tensor | None = None, *,
-                  block_n: int | None = None, block_k: int | None = None, stages: int | None = None):
-    """The row GEMV with the RMSNorm of its input inside (row_gemv.PreNorm): x [M <= GEMV_MAX_M, K]
-    -> (y [M, N] in x.dtype, the new residual stream [M, K])."""
-    if x.dim() != 2 or x.shape[0] > GEMV_MAX_M or x.shape[1] != w.weight.shape[1] or x.stride(-1) != 1:
-        raise ValueError(f"fp8_norm_gemv takes x [M <= {GEMV_MAX_M}, {w.weight.shape[1]}] contiguous along K, got "
-                         f"{tuple(x.shape)} with strides {x.stride()}")
-    return _row_gemv(x, w, bias, compiled_on_gpu(x.device), block_n, block_k, stages, norm)
-
-
-def fp8_norm_gemv_ref(x: torch.Tensor, w: Fp8Weight, norm: PreNorm, bias: torch.Tensor | None = None, *,
-                      block_n: int | None = None, block_k: int | None = None, stages: int | None = None):
-    rows, residual, rstd = pre_norm_ref(x, norm)
-    y = (rows @ w.dequantize(torch.float32).T) * rstd
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(x.dtype), residual
 
 
 def fp8_linear_ref(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *, block_n: int | None = None,

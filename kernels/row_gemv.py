@@ -7,8 +7,6 @@ channel or block scales (kernels/fp8_linear.py launches those).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -75,89 +73,30 @@ def slab_dot(w, s, x, FORMAT: tl.constexpr, SBK: tl.constexpr, BLOCK_K: tl.const
 @triton.jit
 def row_gemv_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, stride_sk, b_ptr, out_ptr, stride_om,
                     M, N, K, FORMAT: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                    res_ptr=None, stride_rm=0, res_out_ptr=None, stride_rom=0, g_ptr=None, eps=0.0,
-                    NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False):
+                    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """Each program reads BLOCK_N weight rows once, in contiguous BLOCK_K slabs, and reduces them
     against every token's activations. FORMAT: 0 dense, 1 FP8 channel scales (applied once at
     the end), 2 FP8 block scales (applied per scale block: BLOCK_K divides SBK, or SBK is a power
     of two dividing BLOCK_K and each step sums BLOCK_K / SBK blocks separately). STAGES: depth of
-    the software pipeline over K (asynchronous copies of the weight slabs).
-    NORM (PreNorm): the rows are h = x + residual (HAS_RESIDUAL; rounded to x's dtype and written
-    to res_out by program 0), and the product is W (h * g) * rstd(h), g [K] the norm's weight:
-    every program walks all of K, so each sums h^2 alongside its dot and scales once at the end."""
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    the software pipeline over K (asynchronous copies of the weight slabs)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     cols = tl.arange(0, M_PAD)
     acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
-    sum_sq = tl.zeros((M_PAD, BLOCK_K), dtype=tl.float32)  # elementwise: reduced once after the loop
     w_rows = w_ptr + n.to(tl.int64) * stride_wn
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         kk, k_mask, w, s = weight_slab(w_rows, s_ptr, n, n_mask, k0, K, stride_sn, stride_sk, FORMAT, SBN, SBK,
                                        BLOCK_K)
-        if NORM:
-            g = tl.load(g_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
         for m in tl.static_range(M_PAD):
             # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
-            row_mask = k_mask & ((kk * 0 + m) < M)
-            x = tl.load(x_ptr + m * stride_xm + kk, mask=row_mask, other=0.0)
-            if NORM:
-                if HAS_RESIDUAL:
-                    r = tl.load(res_ptr + m * stride_rm + kk, mask=row_mask, other=0.0)
-                    x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                    tl.store(res_out_ptr + m * stride_rom + kk, x, mask=row_mask & ((kk * 0 + pid) == 0))
-                h = x.to(tl.float32)
-                sum_sq = tl.where(cols[:, None] == m, sum_sq + tl.reshape(h * h, (BLOCK_K,))[None, :], sum_sq)
-                x = h * g
+            x = tl.load(x_ptr + m * stride_xm + kk, mask=k_mask & ((kk * 0 + m) < M), other=0.0)
             acc = tl.where(cols[None, :] == m, acc + slab_dot(w, s, x, FORMAT, SBK, BLOCK_K)[:, None], acc)
-    if NORM:
-        acc = acc * tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)[None, :]
     if FORMAT == 1:
         acc = acc * tl.load(s_ptr + n * stride_sn, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + cols[None, :] * stride_om + n[:, None], acc.to(out_ptr.dtype.element_ty),
              mask=(cols < M)[None, :] & n_mask[:, None])
-
-
-@dataclass(frozen=True)
-class PreNorm:
-    """An RMSNorm that the row GEMV applies to its own input, saving the norm's launch at one
-    token: rows h = x + residual (the new residual stream, rounded to x's dtype, as
-    kernels/rmsnorm.py's add_rms_norm), y = W (h * weight) * rsqrt(mean(h^2) + eps). The product
-    and the statistics stay in float32 (add_rms_norm rounds the normed rows to x's dtype first), so
-    results match the two-launch path to that rounding, not bit for bit."""
-    weight: torch.Tensor  # [K]
-    eps: float
-    residual: torch.Tensor | None = None  # [M, K] like x, or None (x is the residual stream)
-
-
-def pre_norm_args(x: torch.Tensor, norm: PreNorm | None) -> tuple[dict, torch.Tensor | None]:
-    """(row_gemv_kernel's NORM keyword arguments, the new residual stream: a fresh [M, K] tensor,
-    x itself without a residual, None without a norm)."""
-    if norm is None:
-        return {}, None
-    res = norm.residual
-    if res is not None and (res.shape != x.shape or res.stride(-1) != 1):
-        raise ValueError(f"the residual must be [M, K] like x {tuple(x.shape)} and contiguous along K, got "
-                         f"{tuple(res.shape)} with strides {res.stride()}")
-    res_out = torch.empty_like(x) if res is not None else x
-    args = dict(res_ptr=res if res is not None else x, stride_rm=res.stride(0) if res is not None else 0,
-                res_out_ptr=res_out, stride_rom=res_out.stride(0), g_ptr=norm.weight, eps=float(norm.eps), NORM=True,
-                HAS_RESIDUAL=res is not None)
-    return args, res_out
-
-
-def pre_norm_ref(x: torch.Tensor, norm: PreNorm | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The torch side of PreNorm: (rows to multiply in float32, the new residual stream, the
-    per-row factor rsqrt(mean(h^2) + eps) [M, 1] applied after the product; ones without a norm)."""
-    if norm is None:
-        return x.to(torch.float32), None, torch.ones((x.shape[0], 1), dtype=torch.float32, device=x.device)
-    h = x if norm.residual is None else (x.float() + norm.residual.float()).to(x.dtype)
-    hf = h.to(torch.float32)
-    rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + norm.eps)
-    return hf * norm.weight.to(torch.float32), h, rstd
 
 
 def gemv_block_n(n: int, num_sms: int = MEASURED_SMS) -> int:
@@ -170,10 +109,9 @@ def gemv_block_n(n: int, num_sms: int = MEASURED_SMS) -> int:
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
-               stages: int | None = None, norm: PreNorm | None = None):
+               stages: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= 4), weight [N, K] contiguous along K, bias [N] or None -> [M, N] in x.dtype,
-    accumulated in float32; with norm, (that output, the new residual stream [M, K]).
-    block_n / block_k / num_warps / stages: tile override for benchmarks."""
+    accumulated in float32. block_n / block_k / num_warps / stages: tile override for benchmarks."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or weight.stride(1) != 1 or m > 4:
@@ -184,20 +122,17 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     block_n = block_n or (gemv_block_n(n, sm_count(x.device)) if on_gpu else 4)
     block_k = block_k or (256 if on_gpu else 32)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    norm_args, residual = pre_norm_args(x, norm)
     row_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, x.stride(0), weight, weight.stride(0), x, 0, 0, bias if bias is not None else x, out, out.stride(0),
         m, n, k, FORMAT=FMT_DENSE, SBN=1, SBK=1, HAS_BIAS=bias is not None, M_PAD=triton.next_power_of_2(m),
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=(stages or DENSE_GEMV_STAGES) if on_gpu else 1, num_warps=num_warps,
-        **norm_args)
-    return out if norm is None else (out, residual)
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=(stages or DENSE_GEMV_STAGES) if on_gpu else 1, num_warps=num_warps)
+    return out
 
 
 def dense_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
-                   stages: int | None = None, norm: PreNorm | None = None):
-    rows, residual, rstd = pre_norm_ref(x, norm)
-    y = (rows @ weight.to(torch.float32).T) * rstd
+                   stages: int | None = None) -> torch.Tensor:
+    y = x.to(torch.float32) @ weight.to(torch.float32).T
     if bias is not None:
         y = y + bias.to(torch.float32)
-    return y.to(x.dtype) if norm is None else (y.to(x.dtype), residual)
+    return y.to(x.dtype)

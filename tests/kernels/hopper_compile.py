@@ -70,12 +70,6 @@ MMA = _types({"xq_ptr": "*bf16", "aq_ptr": "*bf16", "wg_ptr": "*i32", "wu_ptr": 
               "out_ptr": "*bf16", "y_ptr": "*fp32", "pair_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
               "block_expert_ptr": "*i32", "alpha": "fp32", "limit": "fp32"})
 
-_ROW_NORM = {"res_ptr": "*bf16", "res_out_ptr": "*bf16", "g_ptr": "*bf16", "eps": "fp32"}
-ROW_GEMV_BF16 = _types({"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}
-                       | _ROW_NORM)
-ROW_GEMV_FP8 = _types({"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16"}
-                      | _ROW_NORM)
-
 CASES = []
 for prefetch in (False, True):
     CASES.append((f"MXFP4 gate/up words, prefetch {prefetch}", moe_gate_up_words_kernel, WORDS,
@@ -155,21 +149,15 @@ CASES += [
      _types({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}), dict(BLOCK_G=8), 4, 1),
     ("FP8 activations per token", _quant_rows_kernel,
      _types({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}), dict(BLOCK_K=16384), 8, 1),
-    ("dense row GEMV", row_gemv_kernel, ROW_GEMV_BF16,
-     dict(FORMAT=0, SBN=1, SBK=1, HAS_BIAS=True, M_PAD=1, BLOCK_N=4, BLOCK_K=256, STAGES=3, NORM=False,
-          HAS_RESIDUAL=False), 4, 3),
-    ("dense row GEMV with the norm and residual add in front", row_gemv_kernel, ROW_GEMV_BF16,
-     dict(FORMAT=0, SBN=1, SBK=1, HAS_BIAS=True, M_PAD=1, BLOCK_N=4, BLOCK_K=256, STAGES=4, NORM=True,
-          HAS_RESIDUAL=True), 4, 4),
-    ("FP8 channel row GEMV", row_gemv_kernel, ROW_GEMV_FP8,
-     dict(FORMAT=1, SBN=1, SBK=1, HAS_BIAS=False, M_PAD=2, BLOCK_N=16, BLOCK_K=512, STAGES=3, NORM=False,
-          HAS_RESIDUAL=False), 4, 3),
-    ("FP8 channel row GEMV with the norm and residual add in front", row_gemv_kernel, ROW_GEMV_FP8,
-     dict(FORMAT=1, SBN=1, SBK=1, HAS_BIAS=False, M_PAD=1, BLOCK_N=16, BLOCK_K=512, STAGES=4, NORM=True,
-          HAS_RESIDUAL=True), 4, 4),
-    ("FP8 block row GEMV, four scale blocks a step", row_gemv_kernel, ROW_GEMV_FP8,
-     dict(FORMAT=2, SBN=128, SBK=128, HAS_BIAS=False, M_PAD=1, BLOCK_N=16, BLOCK_K=512, STAGES=4, NORM=False,
-          HAS_RESIDUAL=False), 4, 4),
+    ("dense row GEMV", row_gemv_kernel,
+     _types({"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
+     dict(FORMAT=0, SBN=1, SBK=1, HAS_BIAS=True, M_PAD=1, BLOCK_N=4, BLOCK_K=256, STAGES=3), 4, 3),
+    ("FP8 channel row GEMV", row_gemv_kernel,
+     _types({"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
+     dict(FORMAT=1, SBN=1, SBK=1, HAS_BIAS=False, M_PAD=2, BLOCK_N=16, BLOCK_K=512, STAGES=3), 4, 3),
+    ("FP8 block row GEMV, four scale blocks a step", row_gemv_kernel,
+     _types({"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
+     dict(FORMAT=2, SBN=128, SBK=128, HAS_BIAS=False, M_PAD=1, BLOCK_N=16, BLOCK_K=512, STAGES=4), 4, 4),
 ]
 
 # Row kernels whose K loop must come out software-pipelined (asynchronous copies into shared

@@ -5,10 +5,7 @@ import torch
 from kernel_checks import cuda_time_us, quantize_fp8_blocks, quantize_fp8_rows, rel_err
 from localchat.engine.weights.formats import Fp8Weight
 from localchat.kernels.fp8_linear import (SCALED_MM_MIN_M, blockwise_scaled_mm_works, fp8_linear, fp8_linear_ref,
-                                         fp8_norm_gemv, fp8_norm_gemv_ref, quant_groups, quant_groups_ref, quant_rows,
-                                         quant_rows_ref)
-from localchat.kernels.rmsnorm import add_rms_norm_ref
-from localchat.kernels.row_gemv import PreNorm
+                                         quant_groups, quant_groups_ref, quant_rows, quant_rows_ref)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -27,31 +24,6 @@ def test_fp8_linear(block, m, dtype):
     assert out.shape == (2, m, n)
     assert rel_err(out, fp8_linear_ref(x, fw, b)) < (1e-5 if dtype == torch.float32 else 3e-3)
 
-
-
-@pytest.mark.parametrize("block", [None, (32, 32), (16, 16)])
-@pytest.mark.parametrize("m,dtype", [(1, torch.float32), (2, torch.float16)])
-@pytest.mark.parametrize("residual", [False, True])
-def test_fp8_norm_gemv(block, m, dtype, residual):
-    # the RMSNorm inside the FP8 row GEMV (GLM-4.5V's q/k/v at one token): against its reference,
-    # against add_rms_norm then the linear, and the residual stream exactly as add_rms_norm's
-    n, k, eps = 72, 80, 1e-5
-    w = torch.randn(n, k, device=DEV) / 9
-    fw = Fp8Weight(*quantize_fp8_blocks(w, *block), block=block) if block else Fp8Weight(*quantize_fp8_rows(w))
-    x = torch.randn(m, k, device=DEV).to(dtype)
-    res = torch.randn(m, k, device=DEV).to(dtype) if residual else None
-    g = (1 + torch.randn(k, device=DEV) / 4).to(dtype)
-    b = torch.randn(n, device=DEV)
-    norm = PreNorm(g, eps, res)
-    torch.empty(4 * m * (n + k), device=DEV).fill_(float("nan"))  # poison what the allocator hands out next
-    out, new_res = fp8_norm_gemv(x, fw, norm, b)
-    ref, ref_res = fp8_norm_gemv_ref(x, fw, norm, b)
-    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 8e-3)
-    normed, two_res = add_rms_norm_ref(x, res, g, eps)
-    assert torch.equal(new_res, ref_res) and torch.equal(new_res, two_res)
-    assert rel_err(out, fp8_linear_ref(normed, fw, b)) < (1e-5 if dtype == torch.float32 else 2e-2)
-    with pytest.raises(ValueError, match="M <= 2"):
-        fp8_norm_gemv(torch.randn(3, k, device=DEV), fw, norm)
 
 @pytest.mark.parametrize("block", [None, (32, 32)])
 @pytest.mark.parametrize("split", [2, 3, 7])
@@ -142,17 +114,3 @@ def test_fp8_linear_block_large_m_gpu(m, n, k):
     us = cuda_time_us(lambda: fp8_linear(x, fw, b))
     print(f"\nfp8_linear block M={m} N={n} K={k}: {us:.1f} us, {2 * m * n * k / us / 1e6:.0f} TFLOP/s, "
           f"blockwise _scaled_mm {blockwise_scaled_mm_works(torch.cuda.current_device()) and k % 512 == 0}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("block", [None, (128, 128)])
-def test_fp8_norm_gemv_gpu(block):
-    """GLM-4.5V's fused q/k/v (14336 x 4096) with the norm in front, one token."""
-    n, k = 14336, 4096
-    w = torch.randn(n, k, device="cuda") / 64
-    fw = Fp8Weight(*quantize_fp8_blocks(w), block=block) if block else Fp8Weight(*quantize_fp8_rows(w))
-    x, res = (torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    norm = PreNorm(torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-5, res)
-    out, new_res = fp8_norm_gemv(x, fw, norm)
-    ref, ref_res = fp8_norm_gemv_ref(x, fw, norm)
-    assert rel_err(out, ref) < 2e-2 and torch.equal(new_res, ref_res)
