@@ -55,9 +55,7 @@ class MoeConfig:
     mx_dot_scaled: bool = True  # MXFP4 through tl.dot_scaled, else the in-kernel bit decode
     gemv: bool = False  # row-streaming kernels for decode sizes; block_m=1 also skips moe_align
     mx_words: bool = False  # MXFP4 row streaming: decode int32 words of 8 codes (kernels/moe_gemv_words.py)
-    # MXFP4 word decode and packed-f16 kernels: the next K chunk loaded into registers before the
-    # current one is used (the packed-f16 kernels then skip the shared-memory pipeline)
-    prefetch: bool = False
+    prefetch: bool = False  # MXFP4 word decode: the next K chunk requested before the current one is used
     max_registers: int = 0  # registers per thread the compiler may use (0: its choice), for occupancy
     mx_half2: bool = False  # MXFP4 row kernels on packed f16 FMAs, one pair per program (kernels/moe_gemv_half2.py)
     # MXFP4 tensor-core tiles decoding each expert's rows once for its block_m pairs, bf16

@@ -170,12 +170,6 @@ def _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, st
     field (valid for scales s <= 248)."""
     w, scale = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se, stride_sn,
                              stride_sk, BLOCK_K)
-    return _chunk_loaded(acc, w, scale, x0, x1, x2, x3, INTERPRET)
-
-
-@triton.jit
-def _chunk_loaded(acc, w, scale, x0, x1, x2, x3, INTERPRET: tl.constexpr):
-    """_chunk on words and scales already loaded (_mx_words_raw)."""
     mult = ((scale.to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)
     return acc + _group_dot(w, x0, x1, x2, x3, INTERPRET) * mult
 
@@ -229,8 +223,7 @@ def moe_gate_up_half2_kernel(
         bg_ptr, bu_ptr, stride_be, stride_bn,
         out_ptr, act_scale, expert_ptr, N, K, top_k, alpha, limit,
         HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr = 64,
-        PREFETCH: tl.constexpr = False):
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr = 64):
     """Program (pair, n-block): gate and up rows [BLOCK_N] of the pair's expert against the
     pair's token, clamped SwiGLU (gpt-oss), stored as f16 act * act_scale in pair order to
     out [pairs, N]. xq: int32 view of the f16 pair-ordered activations [T, K / 2]; wg / wu:
@@ -249,28 +242,12 @@ def moe_gate_up_half2_kernel(
     acc_u = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     xq_row = xq_ptr + tok * (K // 2)
     k_whole = K - K % BLOCK_K
-    if PREFETCH:  # registers hold the next step's loads while this one is computed
-        wg_n, sg_n = _mx_words_raw(wg_ptr, sg_ptr, e, n, n_mask, 0, k_whole, stride_we, stride_wn, stride_se,
-                                   stride_sn, stride_sk, BLOCK_K)
-        wu_n, su_n = _mx_words_raw(wu_ptr, su_ptr, e, n, n_mask, 0, k_whole, stride_we, stride_wn, stride_se,
-                                   stride_sn, stride_sk, BLOCK_K)
-        x0n, x1n, x2n, x3n = _x_pairs(xq_row, 0, K, BLOCK_K)
-        for k0 in range(0, k_whole, BLOCK_K):
-            wg, sg, wu, su, x0, x1, x2, x3 = wg_n, sg_n, wu_n, su_n, x0n, x1n, x2n, x3n
-            wg_n, sg_n = _mx_words_raw(wg_ptr, sg_ptr, e, n, n_mask, k0 + BLOCK_K, k_whole, stride_we, stride_wn,
-                                       stride_se, stride_sn, stride_sk, BLOCK_K)
-            wu_n, su_n = _mx_words_raw(wu_ptr, su_ptr, e, n, n_mask, k0 + BLOCK_K, k_whole, stride_we, stride_wn,
-                                       stride_se, stride_sn, stride_sk, BLOCK_K)
-            x0n, x1n, x2n, x3n = _x_pairs(xq_row, k0 + BLOCK_K, K, BLOCK_K)
-            acc_g = _chunk_loaded(acc_g, wg, sg, x0, x1, x2, x3, INTERPRET)
-            acc_u = _chunk_loaded(acc_u, wu, su, x0, x1, x2, x3, INTERPRET)
-    else:
-        for k0 in tl.range(0, k_whole, BLOCK_K, num_stages=STAGES):
-            x0, x1, x2, x3 = _x_pairs(xq_row, k0, K, BLOCK_K)
-            acc_g = _chunk(acc_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn,
-                           stride_se, stride_sn, stride_sk, INTERPRET, BLOCK_K)
-            acc_u = _chunk(acc_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn,
-                           stride_se, stride_sn, stride_sk, INTERPRET, BLOCK_K)
+    for k0 in tl.range(0, k_whole, BLOCK_K, num_stages=STAGES):
+        x0, x1, x2, x3 = _x_pairs(xq_row, k0, K, BLOCK_K)
+        acc_g = _chunk(acc_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
+                       stride_sn, stride_sk, INTERPRET, BLOCK_K)
+        acc_u = _chunk(acc_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
+                       stride_sn, stride_sk, INTERPRET, BLOCK_K)
     tail_g = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
     tail_u = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
     for k0 in range(k_whole, K, TAIL_K):
@@ -300,8 +277,7 @@ def moe_down_half2_kernel(
         b_ptr, stride_be,
         pair_weights_ptr, y_ptr, stride_yt, expert_ptr, N, K,
         HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr = 64,
-        PREFETCH: tl.constexpr = False):
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr = 64):
     """Program (pair, n-block): y[pair, n] = pair weight * (down rows [BLOCK_N] . act + bias) in
     float32; aq: int32 view of the f16 pair-ordered GLU output [pairs, K / 2] scaled by
     1 / a_inv_scale. TAIL_K as in moe_gate_up_half2_kernel."""
@@ -315,21 +291,10 @@ def moe_down_half2_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     aq_row = aq_ptr + pair.to(tl.int64) * (K // 2)
     k_whole = K - K % BLOCK_K
-    if PREFETCH:
-        w_n, s_n = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, 0, k_whole, stride_we, stride_wn, stride_se, stride_sn,
-                                 stride_sk, BLOCK_K)
-        x0n, x1n, x2n, x3n = _x_pairs(aq_row, 0, K, BLOCK_K)
-        for k0 in range(0, k_whole, BLOCK_K):
-            w, sc, x0, x1, x2, x3 = w_n, s_n, x0n, x1n, x2n, x3n
-            w_n, s_n = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0 + BLOCK_K, k_whole, stride_we, stride_wn,
-                                     stride_se, stride_sn, stride_sk, BLOCK_K)
-            x0n, x1n, x2n, x3n = _x_pairs(aq_row, k0 + BLOCK_K, K, BLOCK_K)
-            acc = _chunk_loaded(acc, w, sc, x0, x1, x2, x3, INTERPRET)
-    else:
-        for k0 in tl.range(0, k_whole, BLOCK_K, num_stages=STAGES):
-            x0, x1, x2, x3 = _x_pairs(aq_row, k0, K, BLOCK_K)
-            acc = _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
-                         stride_sn, stride_sk, INTERPRET, BLOCK_K)
+    for k0 in tl.range(0, k_whole, BLOCK_K, num_stages=STAGES):
+        x0, x1, x2, x3 = _x_pairs(aq_row, k0, K, BLOCK_K)
+        acc = _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
+                     stride_sn, stride_sk, INTERPRET, BLOCK_K)
     tail = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
     for k0 in range(k_whole, K, TAIL_K):
         x0, x1, x2, x3 = _x_pairs(aq_row, k0, K, TAIL_K)

@@ -100,19 +100,17 @@ def test_mxfp4_words_keep_half_codes(dtype):
     assert rel_err(fused_moe(x, experts, w, ids, config=cfg), ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype,block_n,block_k,tail_k,prefetch", [
-    (torch.bfloat16, 32, 64, 64, False), (torch.float16, 16, 128, 64, False), (torch.bfloat16, 32, 32, 64, False),
-    (torch.float16, 8, 128, 128, False), (torch.bfloat16, 16, 128, 32, False), (torch.float16, 16, 32, 64, True),
-    (torch.bfloat16, 8, 64, 32, True)])
-def test_gpt_oss_mxfp4_half2(dtype, block_n, block_k, tail_k, prefetch):
+@pytest.mark.parametrize("dtype,block_n,block_k,tail_k", [
+    (torch.bfloat16, 32, 64, 64), (torch.float16, 16, 128, 64), (torch.bfloat16, 32, 32, 64),
+    (torch.float16, 8, 128, 128), (torch.bfloat16, 16, 128, 32)])
+def test_gpt_oss_mxfp4_half2(dtype, block_n, block_k, tail_k):
     # H=96 / I=160 leave partial K chunks and a partial row block; 6 experts for 6 pairs, one
     # pair's expert -1; token rows of very different magnitudes (each gets its own 2^k). tail_k:
     # the K steps after the last whole block_k (128: one masked step; 32: three steps of the
-    # 96-wide gate/up input, one of the 160-wide GLU output after a whole step). prefetch: each
-    # whole step's loads issued one step ahead into registers.
+    # 96-wide gate/up input, one of the 160-wide GLU output after a whole step).
     e, k, h, i, t = 6, 2, 96, 160, 3
     experts = _gpt_oss_case(e, h, i, scale_lo=110, scale_hi=131)
-    cfg = MoeConfig(1, block_n, block_k, 1, 1, gemv=True, mx_half2=True, tail_k=tail_k, prefetch=prefetch)
+    cfg = MoeConfig(1, block_n, block_k, 1, 1, gemv=True, mx_half2=True, tail_k=tail_k)
     x = torch.randn(t, h, device=DEV, dtype=dtype) * torch.tensor([[1e-3], [1.0], [300.0]], device=DEV).to(dtype)
     w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
     ids[2, 1] = -1
