@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Answer one question with a local checkpoint; stream the answer to stdout.")
     run.add_argument("model", help="a registry name (glm-4.5v-fp8, gpt-oss-20b, ...), a Hub repo id, a checkpoint "
                                    "directory, or 'demo' (a tiny random-weight model)")
-    run.add_argument("--prompt", required=True, help="the question")
+    run.add_argument("question", nargs="?", default=None, metavar="PROMPT",
+                     help="the question (or give it with --prompt, or pipe it in on standard input)")
+    run.add_argument("--prompt", default=None, help="the question")
     run.add_argument("--image", action="append", default=[], metavar="PATH",
                      help="an image to ask about (repeat for several; they come before the text, in order)")
     run.add_argument("--system", default=None, help="a system prompt")
@@ -184,9 +186,25 @@ def _load_engine(args, model_dir: Path):
     return engine
 
 
+def _question(args) -> str:
+    """The question from PROMPT, --prompt or standard input (when it is not a terminal)."""
+    if args.question is not None and args.prompt is not None:
+        raise UserError("the question was given twice (as PROMPT and with --prompt); give it once")
+    text = args.prompt if args.prompt is not None else args.question
+    if text is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise UserError("no question: put it after the model name (localchat run MODEL \"...\"), give it with "
+                            "--prompt, or pipe it in on standard input")
+        text = sys.stdin.read().strip()
+        if not text:
+            raise UserError("the question on standard input is empty")
+    return text
+
+
 def cmd_run(args) -> int:
     from ..engine.runtime.request import Delta, Final
 
+    args.prompt = _question(args)  # before any download or load, so a missing question fails at once
     model_dir = _model_dir(args)
     request = _request(args, model_dir)
     engine = _load_engine(args, model_dir)

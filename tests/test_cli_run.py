@@ -14,9 +14,10 @@ from test_parity import engine, image, oracle_greedy, request
 SCRIPT = shutil.which("localchat", path=str(Path(sys.executable).parent)) or shutil.which("localchat")
 
 
-def run_cli(*args, timeout=120):
+def run_cli(*args, timeout=120, stdin=""):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    return subprocess.run([SCRIPT, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([SCRIPT, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env,
+                          input=stdin)
 
 
 @pytest.mark.parametrize("name", ["glm-bf16", "glm-fp8-block", "gpt-oss-mxfp4", "gpt-oss-bf16"])
@@ -48,6 +49,35 @@ def test_run_streams_plain_text():
     out = run_cli("run", open_fixture("gpt-oss-bf16"), "--prompt", "hi", "--temperature", "0", "--max-tokens", "5")
     assert out.returncode == 0, out.stderr
     assert out.stdout.endswith("\n")
+
+
+def test_the_question_after_the_model_or_on_standard_input():
+    ckpt = open_fixture("gpt-oss-bf16")
+    greedy = ["--temperature", "0", "--max-tokens", "6", "--json"]
+    with_flag = json.loads(run_cli("run", ckpt, "--prompt", "Why is the sky blue?", *greedy).stdout)
+    positional = run_cli("run", ckpt, "Why is the sky blue?", *greedy)
+    piped = run_cli("run", ckpt, *greedy, stdin="Why is the sky blue?\n")
+    for out in (positional, piped):
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert result["prompt_token_ids"] == with_flag["prompt_token_ids"]
+        assert result["token_ids"] == with_flag["token_ids"]
+    twice = run_cli("run", ckpt, "one", "--prompt", "two")
+    assert twice.returncode != 0 and "twice" in twice.stderr and "Traceback" not in twice.stderr
+    empty = run_cli("run", ckpt, stdin="  \n")
+    assert empty.returncode != 0 and "empty" in empty.stderr and "Traceback" not in empty.stderr
+
+
+def test_no_question_at_a_terminal_says_how_to_give_one(monkeypatch):
+    from localchat.app.cli import UserError, _question, build_parser
+
+    class Terminal:
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    with pytest.raises(UserError, match="after the model name"):
+        _question(build_parser().parse_args(["run", "demo"]))
 
 
 def test_run_errors_are_one_line(tmp_path):
