@@ -30,6 +30,13 @@ class DemoEngine:
         return stream
 
 
+def without_end_of_text(monkeypatch, engine: Engine) -> None:
+    """No end-of-text token while the test runs: a random-weight answer then goes on to its token
+    limit instead of now and then ending within a few tokens, which a test that leaves or stops
+    mid-answer cannot allow."""
+    monkeypatch.setattr(engine, "spec", dataclasses.replace(engine.spec, eos_token_ids=()))
+
+
 def slow_steps(monkeypatch, engine: Engine, delay: float) -> None:
     """Every engine step (prefill chunk or decode step) also sleeps `delay` seconds: the demo model
     answers in a fraction of a second on CPU, too fast for a browser to watch or for Stop to land

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from demo_engine import DemoEngine, slow_steps
+from demo_engine import DemoEngine, slow_steps, without_end_of_text
 from fake_engine import FakeEngine
 from live_server import LiveServer, png_bytes
 from localchat.app.ui import create_app
@@ -154,9 +154,11 @@ def test_history_system_stop_string_and_lenient_fields(api):
 
 @pytest.fixture
 def demo_api(demo_runtime, history, monkeypatch):
-    """The real engine (demo checkpoint) behind /v1, slowed so a client can leave mid-answer; every
+    """The real engine (demo checkpoint) behind /v1, slowed so a client can leave mid-answer, with
+    no end-of-text token, so that a random-weight answer cannot end before the client leaves; every
     item each engine stream hands out is recorded, so tests see the Final the engine itself sent."""
     slow_steps(monkeypatch, demo_runtime, 0.03)
+    without_end_of_text(monkeypatch, demo_runtime)
     engine = _RecordingEngine(demo_runtime, max_tokens=400)
     with LiveServer(create_app(engine, history, api_key=KEY)) as srv:
         yield engine, srv

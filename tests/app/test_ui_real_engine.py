@@ -5,7 +5,7 @@ import time
 import pytest
 from gradio_client import Client, handle_file
 
-from demo_engine import DemoEngine, slow_steps
+from demo_engine import DemoEngine, slow_steps, without_end_of_text
 from live_server import LiveServer, png_bytes
 from localchat.app.history import STOPPED
 from localchat.app.ui import create_app
@@ -14,6 +14,7 @@ from localchat.app.ui import create_app
 @pytest.fixture
 def demo_engine(demo_runtime, monkeypatch):
     slow_steps(monkeypatch, demo_runtime, 0.1)  # so Stop lands mid-answer, even on a loaded machine
+    without_end_of_text(monkeypatch, demo_runtime)  # and the answer cannot end first
     return DemoEngine(demo_runtime, max_tokens=48)
 
 
