@@ -95,9 +95,11 @@ def main() -> None:
                 bm = 1 if kind == "half2" else int(kind[4:] or 1)
                 cfg = MoeConfig(bm, int(bn), int(bk), int(nw), int(ns), gemv=not kind.startswith("tile"),
                                 mx_half2=kind == "half2")
-                for opt in options:  # gemv with one pair per program: c, dN:K:W:S; half2: tK
+                for opt in options:  # gemv with one pair per program: c, dN:K:W:S; half2: tK, w (wide_x)
                     if opt == "c":
                         cfg = replace(cfg, fused_combine=True)
+                    elif opt == "w":
+                        cfg = replace(cfg, wide_x=True)
                     elif opt.startswith("t"):
                         cfg = replace(cfg, tail_k=int(opt[1:]))
                     elif opt.startswith("d"):

@@ -284,7 +284,7 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
         xq.view(torch.int32), x_inv_scale, *_code_words(wg, wu), sg, su, *s_strides, bg, bu, *bias_strides, act,
         float(2.0 ** act_exp), expert_ids, i, h, k, float(experts.alpha), float(experts.limit),
         HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        STAGES=cfg.num_stages, TAIL_K=tail_k, **launch)
+        STAGES=cfg.num_stages, TAIL_K=tail_k, WIDE_X=cfg.wide_x, **launch)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias, bd, bd_stride = _down_bias(experts, x)
     moe_down_half2_kernel[(num_pairs, triton.cdiv(h, cfg.block_n))](

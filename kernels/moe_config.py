@@ -71,6 +71,10 @@ class MoeConfig:
     # mx_half2: K steps after the last whole block_k (gpt-oss's 2880 = 11 * 256 + 64), so no
     # decoded code is masked off; block_k gives one masked step instead
     tail_k: int = 64
+    # mx_half2 gate/up: each word's four activation pairs as one 16-byte load instead of four
+    # 4-byte ones. H200, gpt-oss: one token's gate/up 18.6 -> 15.9 us; slower from 8 pairs (the
+    # step 1-3% at 2-4 tokens) and in down at every size (bench/moe_breakdown.py; BENCHMARKS.md)
+    wide_x: bool = False
 
     @property
     def down_launch(self) -> tuple[int, int, int, int]:
@@ -134,9 +138,11 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
     per_expert = num_pairs / max(num_experts, 1)
     if fmt == FMT_MXFP4 and per_expert <= (1 if bf16 else 4):
         if per_expert <= 0.5:
-            # three stages for one token's pairs (few programs, each keeping more K steps in
-            # flight); from 8 pairs two measured 6% faster (gpt-oss-120b, 2 and 4 tokens)
-            return MoeConfig(1, 8, 256, 1, 3 if num_pairs <= 4 else 2, gemv=True, mx_half2=True)
+            # three stages and 16-byte activation loads in gate/up for one token's pairs (few
+            # programs, each keeping more K steps in flight); from 8 pairs two stages measured 6%
+            # faster (gpt-oss-120b, 2 and 4 tokens)
+            return MoeConfig(1, 8, 256, 1, 3 if num_pairs <= 4 else 2, gemv=True, mx_half2=True,
+                             wide_x=num_pairs <= 4)
         return MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True)
     if fmt == FMT_MXFP4 and bf16:
         # (pairs per expert, tile) measured best on an H200 at 2-128 pairs per expert

@@ -121,13 +121,18 @@ def _word_ref(w, x0, x1, x2, x3):
 
 
 @triton.jit
-def _x_pairs(xq_row, k0, K, BLOCK_K: tl.constexpr):
+def _x_pairs(xq_row, k0, K, BLOCK_K: tl.constexpr, WIDE: tl.constexpr = False):
     """The f16x2 activation pairs of one K chunk: 4 int32 tensors [1, G, 4] (pair p of word w of
     group g at int32 offset (g * 4 + w) * 4 + p of the row). Past K: clamped onto the last word
-    (its weights load as zero codes)."""
+    (its weights load as zero codes). WIDE: each word's four pairs in one 16-byte load, split in
+    registers, instead of four loads of every fourth 32-bit word (4-byte copies); see
+    MoeConfig.wide_x for where each is faster."""
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     g = k0 // 32 + tl.arange(0, BLOCK_G)
     word = tl.minimum(g[:, None] * 4 + tl.arange(0, 4)[None, :], K // 8 - 1)
+    if WIDE:
+        x0, x1, x2, x3 = _split4(tl.load(xq_row + word[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]))
+        return x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]
     base = xq_row + word * 4
     x0 = tl.load(base)[None, :, :]
     x1 = tl.load(base + 1)[None, :, :]
@@ -223,13 +228,14 @@ def moe_gate_up_half2_kernel(
         bg_ptr, bu_ptr, stride_be, stride_bn,
         out_ptr, act_scale, expert_ptr, N, K, top_k, alpha, limit,
         HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr = 64):
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr = 64,
+        WIDE_X: tl.constexpr = False):
     """Program (pair, n-block): gate and up rows [BLOCK_N] of the pair's expert against the
     pair's token, clamped SwiGLU (gpt-oss), stored as f16 act * act_scale in pair order to
     out [pairs, N]. xq: int32 view of the f16 pair-ordered activations [T, K / 2]; wg / wu:
     int32 views of the codes with strides in 16-byte groups; expert_ptr: topk_ids flattened.
     K past the last whole BLOCK_K step goes in steps of TAIL_K (<= BLOCK_K): every decoded
-    code is used (gpt-oss's 2880 = 11 * 256 + 64)."""
+    code is used (gpt-oss's 2880 = 11 * 256 + 64). WIDE_X: _x_pairs' 16-byte activation loads."""
     pair = tl.program_id(0)
     e = tl.load(expert_ptr + pair)
     if e < 0:
@@ -243,7 +249,7 @@ def moe_gate_up_half2_kernel(
     xq_row = xq_ptr + tok * (K // 2)
     k_whole = K - K % BLOCK_K
     for k0 in tl.range(0, k_whole, BLOCK_K, num_stages=STAGES):
-        x0, x1, x2, x3 = _x_pairs(xq_row, k0, K, BLOCK_K)
+        x0, x1, x2, x3 = _x_pairs(xq_row, k0, K, BLOCK_K, WIDE_X)
         acc_g = _chunk(acc_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
                        stride_sn, stride_sk, INTERPRET, BLOCK_K)
         acc_u = _chunk(acc_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
@@ -251,7 +257,7 @@ def moe_gate_up_half2_kernel(
     tail_g = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
     tail_u = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
     for k0 in range(k_whole, K, TAIL_K):
-        x0, x1, x2, x3 = _x_pairs(xq_row, k0, K, TAIL_K)
+        x0, x1, x2, x3 = _x_pairs(xq_row, k0, K, TAIL_K, WIDE_X)
         tail_g = _chunk(tail_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
                         stride_sn, stride_sk, INTERPRET, TAIL_K)
         tail_u = _chunk(tail_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,

@@ -100,17 +100,19 @@ def test_mxfp4_words_keep_half_codes(dtype):
     assert rel_err(fused_moe(x, experts, w, ids, config=cfg), ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype,block_n,block_k,tail_k", [
-    (torch.bfloat16, 32, 64, 64), (torch.float16, 16, 128, 64), (torch.bfloat16, 32, 32, 64),
-    (torch.float16, 8, 128, 128), (torch.bfloat16, 16, 128, 32)])
-def test_gpt_oss_mxfp4_half2(dtype, block_n, block_k, tail_k):
+@pytest.mark.parametrize("dtype,block_n,block_k,tail_k,wide_x", [
+    (torch.bfloat16, 32, 64, 64, False), (torch.float16, 16, 128, 64, False), (torch.bfloat16, 32, 32, 64, False),
+    (torch.float16, 8, 128, 128, False), (torch.bfloat16, 16, 128, 32, False), (torch.float16, 16, 64, 32, True),
+    (torch.bfloat16, 8, 128, 128, True)])
+def test_gpt_oss_mxfp4_half2(dtype, block_n, block_k, tail_k, wide_x):
     # H=96 / I=160 leave partial K chunks and a partial row block; 6 experts for 6 pairs, one
     # pair's expert -1; token rows of very different magnitudes (each gets its own 2^k). tail_k:
     # the K steps after the last whole block_k (128: one masked step; 32: three steps of the
-    # 96-wide gate/up input, one of the 160-wide GLU output after a whole step).
+    # 96-wide gate/up input, one of the 160-wide GLU output after a whole step). wide_x: gate/up
+    # loads each word's activation pairs at once.
     e, k, h, i, t = 6, 2, 96, 160, 3
     experts = _gpt_oss_case(e, h, i, scale_lo=110, scale_hi=131)
-    cfg = MoeConfig(1, block_n, block_k, 1, 1, gemv=True, mx_half2=True, tail_k=tail_k)
+    cfg = MoeConfig(1, block_n, block_k, 1, 1, gemv=True, mx_half2=True, tail_k=tail_k, wide_x=wide_x)
     x = torch.randn(t, h, device=DEV, dtype=dtype) * torch.tensor([[1e-3], [1.0], [300.0]], device=DEV).to(dtype)
     w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
     ids[2, 1] = -1
@@ -346,3 +348,14 @@ def test_glm_fp8_decode_defaults():
             cfg = default_config(9 * t, 129, fmt, on_gpu=True)
             assert cfg.gemv and not cfg.fused_combine and cfg.block_n == 64 and cfg.down_tile is None
         assert not default_config(9 * 16, 129, fmt, on_gpu=True).gemv  # above one pair per expert: tiles
+
+
+def test_gpt_oss_decode_defaults_load_wide_activations_at_one_token():
+    # gpt-oss (4 pairs a token): 16-byte activation loads in gate/up only for one token's pairs
+    from localchat.kernels.moe import FMT_MXFP4, default_config
+    for experts in (32, 128):
+        one = default_config(4, experts, FMT_MXFP4, on_gpu=True)
+        assert one.mx_half2 and one.wide_x and one.num_stages == 3
+        for t in (2, 8):
+            cfg = default_config(4 * t, experts, FMT_MXFP4, on_gpu=True)
+            assert not cfg.wide_x
