@@ -141,8 +141,8 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
             # three stages and 16-byte activation loads in gate/up for one token's pairs (few
             # programs, each keeping more K steps in flight); from 8 pairs two stages measured 6%
             # faster (gpt-oss-120b, 2 and 4 tokens)
-            return MoeConfig(1, 8, 256, 1, 3 if num_pairs <= 4 else 2, gemv=True, mx_half2=True,
-                             wide_x=num_pairs <= 4)
+            one_token = num_pairs <= 4
+            return MoeConfig(1, 8, 256, 1, 3 if one_token else 2, gemv=True, mx_half2=True, wide_x=one_token)
         return MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True)
     if fmt == FMT_MXFP4 and bf16:
         # (pairs per expert, tile) measured best on an H200 at 2-128 pairs per expert

@@ -170,10 +170,10 @@ GEMV_FP8_DOWN = _types({"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
                         "pair_weights_ptr": "*fp32", "out_ptr": "*fp32", "pair_ptr": "*i64", "expert_ptr": "*i64",
                         "arrivals_ptr": "*i32", "sum_ptr": "*bf16"})
 PIPELINED = [
-    ("MXFP4 gate/up half2 n8 k256 w1, 3 stages", moe_gate_up_half2_kernel, HALF2,
-     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3, TAIL_K=64, WIDE_X=False), 1, 3),
-    ("MXFP4 gate/up half2 n8 k256 w1, 3 stages, 16-byte activation loads", moe_gate_up_half2_kernel, HALF2,
-     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3, TAIL_K=64, WIDE_X=True), 1, 3),
+    (f"MXFP4 gate/up half2 n8 k256 w1, 3 stages, 16-byte activation loads {wide}", moe_gate_up_half2_kernel, HALF2,
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3, TAIL_K=64, WIDE_X=wide), 1, 3)
+    for wide in (False, True)
+] + [
     ("FP8 gate/up row kernel n32 k256 w4, 3 stages", moe_gate_up_gemv_kernel, GEMV_FP8,
      dict(FORMAT=1, SBN=1, SBK=1, SORTED=False, ACT=0, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
           STAGES=3), 4, 3),
