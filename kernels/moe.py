@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight
 from .arrivals import arrival_counts
@@ -32,6 +33,7 @@ from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT
                        moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
 from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from .moe_gemv_half2 import act_scale_exp, moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
+from .moe_gemv_tma import moe_down_tma_kernel, moe_gate_up_tma_kernel
 from .moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
 from .moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel
 
@@ -131,9 +133,9 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     if cfg.gemv and cfg.mx_words and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_m > 4:
         raise ValueError(f"the MXFP4 word-decode kernels take at most 4 pairs per program, got block_m {cfg.block_m}")
     row_kernels = cfg.gemv and cfg.block_m == 1 and fmt_d != FMT_MXFP4
-    if (cfg.fused_combine and not row_kernels) or (cfg.down_tile and not (row_kernels or cfg.mx_mma)):
+    if (cfg.fused_combine and not row_kernels) or (cfg.down_tile and not (row_kernels or cfg.mx_mma or cfg.mx_half2)):
         raise ValueError("fused_combine needs the dense or FP8 row kernels with one pair per program (gemv=True, "
-                         "block_m=1); down_tile those or the MXFP4 tensor-core kernels (mx_mma)")
+                         "block_m=1); down_tile those, the MXFP4 packed-f16 or the tensor-core kernels")
     if down_blk_k and not _fp8_block_k_fits(cfg.down_tile[1], cfg.gemv, down_blk_k):
         raise ValueError(f"down_tile block_k {cfg.down_tile[1]} must divide the FP8 scale block {sdblock} or be a "
                          "multiple of a power-of-two block")
@@ -237,6 +239,21 @@ def _code_words(*codes: torch.Tensor):
     return (*words, words[0].stride(0) // 4, words[0].stride(1) // 4)
 
 
+def _tma_descriptors(words: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int):
+    """Tensor descriptors of one MXFP4 stack for the TMA row kernels (moe_gemv_tma.py): codes as
+    int32 words [E, N, K / 8] in boxes [1, block_n, block_k / 8], E8M0 scales [E, N, K / 32] in
+    boxes [1, block_n, block_k / 32]."""
+    if block_k % 512:
+        raise ValueError(f"the TMA row kernels need block_k a multiple of 512 (16-byte scale boxes), got {block_k}")
+    for t, what in ((words, "codes"), (scales, "scales")):
+        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]) or t.stride(-1) != 1:
+            raise ValueError(f"the TMA row kernels need the MXFP4 {what} at 16-byte aligned rows (strides "
+                             f"{tuple(t.stride())} of {t.element_size()}-byte elements); store the scales with "
+                             "engine.weights.formats.aligned_scale_rows")
+    return (TensorDescriptor.from_tensor(words, [1, block_n, block_k // 8]),
+            TensorDescriptor.from_tensor(scales, [1, block_n, block_k // 32]))
+
+
 def _combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out [T, H] = the sum of each token's k rows of y [T * k, H] (float32, routing weights
     applied), in a fixed order."""
@@ -260,12 +277,12 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     if not (_all_mxfp4(experts) and cfg.gemv and cfg.block_m == 1 and experts.activation == "swiglu_clamped"):
         raise ValueError("mx_half2 needs MXFP4 experts with the clamped SwiGLU (gpt-oss) on the row kernels with "
                          "one pair per program (gemv=True, block_m=1)")
-    if x.dtype not in (torch.bfloat16, torch.float16) or cfg.block_k % 32 or cfg.tail_k % 32 or cfg.tail_k < 32:
-        raise ValueError(f"mx_half2 needs bf16/fp16 activations, block_k and tail_k multiples of 32, got {x.dtype}, "
-                         f"{cfg.block_k}, {cfg.tail_k}")
+    if (x.dtype not in (torch.bfloat16, torch.float16) or cfg.block_k % 32 or cfg.tail_k % 32
+            or cfg.down_launch[1] % 32 or cfg.tail_k < (0 if cfg.tma or cfg.tma_down else 32)):
+        raise ValueError(f"mx_half2 needs bf16/fp16 activations, K steps and tail_k multiples of 32 (tail_k 0 only "
+                         f"with tma or tma_down), got {x.dtype}, {cfg.block_k}, {cfg.down_launch[1]}, {cfg.tail_k}")
     (wg, sg, s_strides), (wu, su), (wd, sd, sd_strides) = gate, up, down
     bg, bu, bias_strides = biases
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     num_pairs = t * k
     expert_ids = topk_ids.reshape(-1)
     if x_half2 is not None:
@@ -278,20 +295,39 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
         x_inv_scale = torch.empty((t,), dtype=torch.float32, device=x.device)
         mx_half2_x_kernel[(t,)](x, x.stride(0), xq, x_inv_scale, h, BLOCK_H=triton.next_power_of_2(h))
     act_exp = act_scale_exp(experts.limit)
-    tail_k = min(cfg.tail_k, cfg.block_k)
+    gate_words, up_words, stride_we, stride_wn = _code_words(wg, wu)
+    down_words, stride_de, stride_dn = _code_words(wd)
     act = torch.empty((num_pairs, i), dtype=torch.float16, device=x.device)
-    moe_gate_up_half2_kernel[(num_pairs, triton.cdiv(i, cfg.block_n))](
-        xq.view(torch.int32), x_inv_scale, *_code_words(wg, wu), sg, su, *s_strides, bg, bu, *bias_strides, act,
-        float(2.0 ** act_exp), expert_ids, i, h, k, float(experts.alpha), float(experts.limit),
-        HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        STAGES=cfg.num_stages, TAIL_K=tail_k, WIDE_X=cfg.wide_x, **launch)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias, bd, bd_stride = _down_bias(experts, x)
-    moe_down_half2_kernel[(num_pairs, triton.cdiv(h, cfg.block_n))](
-        act.view(torch.int32), float(2.0 ** -act_exp), *_code_words(wd), sd, *sd_strides, bd, bd_stride,
-        topk_weights.reshape(-1).to(torch.float32), y, y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias,
-        INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, TAIL_K=tail_k,
-        **launch)
+    gate_up_args = (gate_words, up_words, stride_we, stride_wn, sg, su, *s_strides, bg, bu, *bias_strides, act,
+                    float(2.0 ** act_exp), expert_ids, i, h, k, float(experts.alpha), float(experts.limit))
+    down_args = (down_words, stride_de, stride_dn, sd, *sd_strides, bd, bd_stride,
+                 topk_weights.reshape(-1).to(torch.float32), y, y.stride(0), expert_ids, h, i)
+    down_n, down_k, down_warps, down_stages = cfg.down_launch
+    # tail_k 0: the TMA kernels run their last step past K; the pointer kernels keep steps of 64
+    gate_up_consts = dict(INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
+                          HAS_BIAS=experts.gate_bias is not None,
+                          TAIL_K=min(cfg.tail_k if cfg.tma else cfg.tail_k or 64, cfg.block_k),
+                          WIDE_X=cfg.wide_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    down_consts = dict(INTERPRET=interpret, BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages,
+                       HAS_BIAS=has_down_bias, TAIL_K=min(cfg.tail_k if cfg.tma_down else cfg.tail_k or 64, down_k),
+                       num_warps=down_warps, num_stages=down_stages)
+    gate_up_grid = (num_pairs, triton.cdiv(i, cfg.block_n))
+    if cfg.tma:
+        (wg_desc, sg_desc), (wu_desc, su_desc) = (_tma_descriptors(words, scales, cfg.block_n, cfg.block_k)
+                                                  for words, scales in ((gate_words, sg), (up_words, su)))
+        moe_gate_up_tma_kernel[gate_up_grid](xq.view(torch.int32), x_inv_scale, wg_desc, wu_desc, sg_desc, su_desc,
+                                             *gate_up_args, **gate_up_consts)
+    else:
+        moe_gate_up_half2_kernel[gate_up_grid](xq.view(torch.int32), x_inv_scale, *gate_up_args, **gate_up_consts)
+    down_grid = (num_pairs, triton.cdiv(h, down_n))
+    a_inv_scale = float(2.0 ** -act_exp)
+    if cfg.tma_down:
+        wd_desc, sd_desc = _tma_descriptors(down_words, sd, down_n, down_k)
+        moe_down_tma_kernel[down_grid](act.view(torch.int32), a_inv_scale, wd_desc, sd_desc, *down_args, **down_consts)
+    else:
+        moe_down_half2_kernel[down_grid](act.view(torch.int32), a_inv_scale, *down_args, **down_consts)
     return _combine(y, topk_ids, out)
 
 
