@@ -75,12 +75,6 @@ class MoeConfig:
     # 4-byte ones. H200, gpt-oss: one token's gate/up 18.6 -> 15.9 us; slower from 8 pairs (the
     # step 1-3% at 2-4 tokens) and in down at every size (bench/moe_breakdown.py; BENCHMARKS.md)
     wide_x: bool = False
-    # mx_half2: gate/up's (tma) and down's (tma_down) weight words and scales brought in by the
-    # TMA engine (kernels/moe_gemv_tma.py): K steps multiples of 512, scale rows stored 16-byte
-    # aligned; tail_k 0 runs their last step past K on zeros instead of a tail (the pointer
-    # kernels then take steps of 64)
-    tma: bool = False
-    tma_down: bool = False
 
     @property
     def down_launch(self) -> tuple[int, int, int, int]:

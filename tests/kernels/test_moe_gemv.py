@@ -1,12 +1,10 @@
 """The decode-size (row-streaming) MoE kernels against the per-expert float32 reference."""
-from dataclasses import replace
-
 import pytest
 import torch
 
 from kernel_checks import (DEV, quantize_fp8_blocks, random_glm_weights, random_gpt_oss_experts,
                            random_mxfp4, random_routing, rel_err)
-from localchat.engine.weights.formats import Fp8Weight, Mxfp4Weight, aligned_scale_rows
+from localchat.engine.weights.formats import Fp8Weight, Mxfp4Weight
 from localchat.kernels.moe import MoeConfig, MoeExperts, fused_moe, fused_moe_ref, gpt_oss_experts
 from localchat.kernels.moe_routing import route_glm, route_gpt_oss
 
@@ -55,12 +53,6 @@ def test_gemv_rejects_mxfp4_block_k_off_groups():
     w, ids = route_gpt_oss(torch.randn(1, 2, device=DEV), 1)
     with pytest.raises(ValueError, match="multiple of 32"):
         fused_moe(x, experts, w, ids, config=MoeConfig(1, 16, 48, 1, 1, gemv=True))
-
-
-def _aligned(experts):
-    """The experts with their MXFP4 scale rows stored 16-byte aligned, as the TMA kernels read them."""
-    return replace(experts, gate=aligned_scale_rows(experts.gate), up=aligned_scale_rows(experts.up),
-                   down=aligned_scale_rows(experts.down))
 
 
 def _gpt_oss_case(e, h, i, scale_lo=118, scale_hi=123, codes=None):
@@ -130,52 +122,15 @@ def test_gpt_oss_mxfp4_half2(dtype, block_n, block_k, tail_k, wide_x):
         assert rel_err(out[row], ref[row]) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype,block_n,tail_k,wide_x,tma_down,down_tile", [
-    (torch.bfloat16, 32, 0, False, True, None), (torch.float16, 16, 64, True, True, (8, 512, 1, 2)),
-    (torch.bfloat16, 16, 0, True, False, (32, 64, 1, 1))])
-def test_gpt_oss_mxfp4_tma(dtype, block_n, tail_k, wide_x, tma_down, down_tile):
-    # the packed-f16 kernels with words and scales read through tensor descriptors. Gate/up:
-    # K=H=544, one whole 512-wide step and one group; down: K=I=96, no whole step. tail_k 0 runs
-    # a last step past K on the descriptors' zero fill, 64 finishes with the pointer loads (one
-    # masked step). 544 rows leave a partial row block at 32 rows; the pair with expert -1 and the
-    # token magnitudes as in test_gpt_oss_mxfp4_half2. The down kernel on TMA with its own tile, or
-    # on the pointer loads (which take steps of 64 past the last whole step when tail_k is 0).
-    e, k, h, i, t = 3, 2, 544, 96, 3
-    experts = _aligned(_gpt_oss_case(e, h, i, scale_lo=110, scale_hi=131))
-    cfg = MoeConfig(1, block_n, 512, 1, 2, gemv=True, mx_half2=True, tma=True, tma_down=tma_down, tail_k=tail_k,
-                    wide_x=wide_x, down_tile=down_tile)
-    x = torch.randn(t, h, device=DEV, dtype=dtype) * torch.tensor([[1e-3], [1.0], [300.0]], device=DEV).to(dtype)
-    w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
-    ids[2, 1] = -1
-    out = fused_moe(x, experts, w, ids, config=cfg)
-    ref = fused_moe_ref(x, experts, w, ids)
-    for row in range(t):
-        assert rel_err(out[row], ref[row]) < TOL[dtype]
-    if tail_k == 0 and tma_down:  # the same group sums as the pointer-load kernels, read another way
-        plain = fused_moe(x, experts, w, ids, config=replace(cfg, tma=False, tma_down=False, block_k=256, tail_k=32))
-        assert rel_err(out, plain) < 1e-5
-
-
-def test_tma_kernels_refuse_unaligned_scales_and_short_steps():
-    e, k, h, i, t = 2, 2, 544, 96, 1
-    experts = _gpt_oss_case(e, h, i)  # scale rows of 17 and 3 bytes
+def test_gpt_oss_mxfp4_half2_down_tile():
+    # the down kernel on a tile of its own (rows, K step with a tail of one masked step, stages)
+    e, k, h, i, t = 6, 2, 96, 160, 2
+    experts = _gpt_oss_case(e, h, i)
     x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
     w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
-    with pytest.raises(ValueError, match="aligned_scale_rows"):
-        fused_moe(x, experts, w, ids, config=MoeConfig(1, 16, 512, 1, 2, gemv=True, mx_half2=True, tma_down=True))
-    with pytest.raises(ValueError, match="multiple of 512"):
-        fused_moe(x, _aligned(experts), w, ids,
-                  config=MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True, tma=True))
-
-
-def test_aligned_scale_rows_keeps_values():
-    blocks, scales = random_mxfp4(3, 8, 96, device=DEV)
-    wt = Mxfp4Weight(blocks, scales)
-    aligned = aligned_scale_rows(wt)
-    assert aligned.scales.stride(-2) == 16 and aligned.scales.data_ptr() % 16 == 0
-    assert torch.equal(aligned.scales, scales) and aligned.blocks is blocks
-    assert torch.equal(aligned.dequantize(), wt.dequantize())
-    assert aligned_scale_rows(aligned) is aligned
+    cfg = MoeConfig(1, 16, 64, 1, 1, gemv=True, mx_half2=True, down_tile=(32, 128, 1, 1))
+    out = fused_moe(x, experts, w, ids, config=cfg)
+    assert rel_err(out, fused_moe_ref(x, experts, w, ids)) < TOL[torch.bfloat16]
 
 
 def test_half2_input_from_the_norm_gives_the_same_result():
@@ -296,19 +251,15 @@ def test_new_row_kernels_reject_bad_tiles():
     (8, MoeConfig(1, 8, 256, 1, 2, gemv=True, mx_half2=True)),
     (32, MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True)),
     (4, MoeConfig(1, 8, 256, 1, 2, gemv=True, mx_half2=True, tail_k=256)),
-    (1, MoeConfig(1, 8, 512, 1, 3, gemv=True, mx_half2=True, tma=True, tma_down=True, wide_x=True, tail_k=0)),
-    (1, MoeConfig(1, 16, 512, 1, 3, gemv=True, mx_half2=True, tma=True, wide_x=True, down_tile=(8, 256, 1, 3))),
-    (32, MoeConfig(1, 16, 512, 1, 3, gemv=True, mx_half2=True, tma=True, tma_down=True, tail_k=0, wide_x=True)),
+    (1, MoeConfig(1, 16, 256, 1, 3, gemv=True, mx_half2=True, wide_x=True, down_tile=(8, 256, 1, 3))),
 ])
 def test_gpt_oss_row_kernels_gpu(t, cfg):
     e, k, h, i = 128, 4, 2880, 2880
     experts = random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda")
-    if cfg.tma or cfg.tma_down:
-        experts = _aligned(experts)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     w, ids = route_gpt_oss(torch.randn(t, e, device="cuda"), k)
     err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
-    kind = ("tma" if cfg.tma or cfg.tma_down else "half2") if cfg.mx_half2 else "words"
+    kind = "half2" if cfg.mx_half2 else "words"
     print(f"\ngpt-oss-120b {kind} T={t} {cfg}: rel err {err:.1e}")
     assert err < TOL[torch.bfloat16]
 
