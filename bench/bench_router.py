@@ -4,10 +4,7 @@ it replaces, per token count, for gpt-oss (128 experts x 2880, top-4, bf16 logit
 (weights rotated out of L2, as in a decode step where the experts' bytes pass between two routers),
 median of 10 replays, us per router.
 
-    python bench/bench_router.py [--ts 1,4,8,32] [--tiles 64:1:4,128:1:4,r1:4,...]
-
-Tiles: block_k:block_t:warps for the K-split kernel, rE:warps for the whole-row kernel with E
-experts a program.
+    python bench/bench_router.py [--ts 1,4,8,32] [--tiles 64:1:4,128:1:4,...]   (block_k:block_t:warps)
 """
 import argparse
 import os
@@ -33,9 +30,7 @@ def main():
     p.add_argument("--ts", default="1,4,8,32")
     p.add_argument("--tiles", default="32:1:4,64:1:4,64:1:2,128:1:4,128:1:8,256:1:8,64:2:4,64:4:4,128:4:8")
     args = p.parse_args()
-    # (block_k, block_t, warps, block_e): block_e 0 is the K-split kernel
-    tiles = [(0, 1, int(s[1:].split(":")[1]), int(s[1:].split(":")[0])) if s.startswith("r")
-             else (*(int(v) for v in s.split(":")), 0) for s in args.tiles.split(",")]
+    tiles = [tuple(int(v) for v in s.split(":")) for s in args.tiles.split(",")]
     for model, (k_dim, top_k) in MODELS.items():
         ws = [(torch.randn(128, k_dim, device="cuda") / 50).to(torch.bfloat16) for _ in range(COPIES)]
         bs = [(torch.randn(128, device="cuda") / 10).to(torch.bfloat16) for _ in range(COPIES)]
@@ -50,27 +45,25 @@ def main():
             base = graph_time_us(old)
             row = [f"{model} T={t}: linear + route {base:.2f} us"]
             best = None
-            for tile in tiles:
-                bk, bt, warps, be = tile
+            for bk, bt, warps in tiles:
                 if glm:
-                    fns = [lambda w=w, b=b: router_glm(x, w, b.float(), top_k, block_k=bk, block_t=bt, num_warps=warps,
-                                                       block_e=be) for w, b in zip(ws, bs)]
+                    fns = [lambda w=w, b=b: router_glm(x, w, b.float(), top_k, block_k=bk, block_t=bt, num_warps=warps)
+                           for w, b in zip(ws, bs)]
                 else:
-                    fns = [lambda w=w, b=b: router_gpt_oss(x, w, b, top_k, block_k=bk, block_t=bt, num_warps=warps,
-                                                           block_e=be) for w, b in zip(ws, bs)]
+                    fns = [lambda w=w, b=b: router_gpt_oss(x, w, b, top_k, block_k=bk, block_t=bt, num_warps=warps)
+                           for w, b in zip(ws, bs)]
                 us = graph_time_us(fns)
-                label = f"r{be}:{warps}" if be else f"{bk}:{bt}:{warps}"
-                row.append(f"{label} {us:.2f}")
+                row.append(f"{bk}:{bt}:{warps} {us:.2f}")
                 if best is None or us < best[0]:
-                    best = (us, label, tile)
+                    best = (us, f"{bk}:{bt}:{warps}")
             # correctness of the best tile against the old path on the last router
             w, b = ws[-1], bs[-1]
-            bk, bt, warps, be = best[2]
+            bk, bt, warps = (int(v) for v in best[1].split(":"))
             if glm:
-                nw, nids = router_glm(x, w, b.float(), top_k, block_k=bk, block_t=bt, num_warps=warps, block_e=be)
+                nw, nids = router_glm(x, w, b.float(), top_k, block_k=bk, block_t=bt, num_warps=warps)
                 ow, oids = route_glm(F.linear(x.float(), w.float()), b.float(), top_k)
             else:
-                nw, nids = router_gpt_oss(x, w, b, top_k, block_k=bk, block_t=bt, num_warps=warps, block_e=be)
+                nw, nids = router_gpt_oss(x, w, b, top_k, block_k=bk, block_t=bt, num_warps=warps)
                 ow, oids = route_gpt_oss(F.linear(x, w, b), top_k)
             same = (nids.sort(-1).values == oids.sort(-1).values).all(-1).float().mean().item()
             print(" | ".join(row) + f" || best {best[1]} {best[0]:.2f} us ({base / best[0]:.2f}x), "

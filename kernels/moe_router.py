@@ -86,53 +86,9 @@ def _router_kernel(x_ptr, stride_xt, w_ptr, stride_we, b_ptr, sel_bias_ptr, part
         tl.store(slot, 0)
 
 
-@triton.jit
-def _router_rows_kernel(x_ptr, stride_xt, w_ptr, stride_we, b_ptr, sel_bias_ptr, logits_ptr, arrivals_ptr,
-                        weights_ptr, ids_ptr, T, E, K, scaling, extra_id,
-                        TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, NUM_BLOCKS: tl.constexpr,
-                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEL_BIAS: tl.constexpr,
-                        RENORMALIZE: tl.constexpr, ROUND: tl.constexpr, HAS_EXTRA: tl.constexpr):
-    """Program (block of BLOCK_E experts): whole-row logits of its experts for every token (BLOCK_K
-    >= K: each row read once, in one load), stored at logits [T, E_PAD]; the last program to
-    arrive routes every token from them (weights / ids as _router_kernel's)."""
-    e_blk = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_blk_mask = e_blk < E
-    k = tl.arange(0, BLOCK_K)
-    k_mask = k < K
-    w = tl.load(w_ptr + e_blk[:, None].to(tl.int64) * stride_we + k[None, :],
-                mask=e_blk_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        b = tl.load(b_ptr + e_blk, mask=e_blk_mask, other=0.0).to(tl.float32)
-    for t in range(T):
-        xv = tl.load(x_ptr + t * stride_xt + k, mask=k_mask, other=0.0).to(tl.float32)
-        logits = tl.sum(w * xv[None, :], axis=1)
-        if HAS_BIAS:
-            logits += b
-        if ROUND:
-            logits = logits.to(x_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(logits_ptr + t * E_PAD + e_blk, logits, mask=e_blk_mask)
-
-    tl.debug_barrier()  # every thread's logits are stored before the arrival count
-    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == NUM_BLOCKS - 1:
-        e = tl.arange(0, E_PAD)
-        e_mask = e < E
-        ROW: tl.constexpr = TOP_K + 1 if HAS_EXTRA else TOP_K
-        for t in range(T):
-            # written by other programs of this launch: read from L2
-            logits = tl.load(logits_ptr + t * E_PAD + e, mask=e_mask, other=0.0, cache_modifier=".cg")
-            route_token(logits, e, e_mask, sel_bias_ptr, weights_ptr, ids_ptr, t, scaling, TOP_K, K_PAD,
-                        SCORING, HAS_SEL_BIAS, RENORMALIZE, ROW)
-            if HAS_EXTRA:
-                tl.store(weights_ptr + t * ROW + TOP_K, 1.0)
-                tl.store(ids_ptr + t * ROW + TOP_K, extra_id)
-        tl.store(arrivals_ptr, 0)
-
-
 def _router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sel_bias: torch.Tensor | None,
             top_k: int, scoring: int, renormalize: bool, scaling: float, round_logits: bool,
-            block_k: int, block_t: int, num_warps: int, extra_expert: int | None = None, block_e: int = 0
+            block_k: int, block_t: int, num_warps: int, extra_expert: int | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"router input [T, K] and weight [E, K] expected, got {tuple(x.shape)} and "
@@ -148,45 +104,35 @@ def _router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, se
     ids = torch.empty((t, row), dtype=torch.int32, device=x.device)
     if t == 0:
         return weights, ids
-    e_pad = triton.next_power_of_2(e)
-    common = dict(TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, SCORING=scoring,
-                  HAS_BIAS=bias is not None, HAS_SEL_BIAS=sel_bias is not None, RENORMALIZE=renormalize,
-                  ROUND=round_logits, HAS_EXTRA=extra_expert is not None, num_warps=num_warps)
-    extra_id = -1 if extra_expert is None else extra_expert
-    if block_e:
-        blocks = triton.cdiv(e, block_e)
-        logits = torch.empty((t, e_pad), dtype=torch.float32, device=x.device)
-        _router_rows_kernel[(blocks,)](
-            x, x.stride(0), weight, weight.stride(0), bias if bias is not None else x,
-            sel_bias if sel_bias is not None else x, logits, arrival_counts(x.device, 1), weights, ids,
-            t, e, k_dim, float(scaling), extra_id, NUM_BLOCKS=blocks, BLOCK_E=block_e,
-            BLOCK_K=triton.next_power_of_2(k_dim), **common)
-        return weights, ids
     splits = triton.cdiv(k_dim, block_k)
     blocks = triton.cdiv(t, block_t)
+    e_pad = triton.next_power_of_2(e)
     partial = torch.empty((splits, t, e_pad), dtype=torch.float32, device=x.device)
     _router_kernel[(splits, blocks)](
         x, x.stride(0), weight, weight.stride(0), bias if bias is not None else x,
         sel_bias if sel_bias is not None else x, partial, arrival_counts(x.device, blocks), weights, ids,
-        t, e, k_dim, float(scaling), extra_id, S_PAD=triton.next_power_of_2(splits), NUM_SPLITS=splits,
-        BLOCK_T=block_t, BLOCK_K=block_k, **common)
+        t, e, k_dim, float(scaling), -1 if extra_expert is None else extra_expert,
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, S_PAD=triton.next_power_of_2(splits),
+        NUM_SPLITS=splits, BLOCK_T=block_t, BLOCK_K=block_k, SCORING=scoring, HAS_BIAS=bias is not None,
+        HAS_SEL_BIAS=sel_bias is not None, RENORMALIZE=renormalize, ROUND=round_logits,
+        HAS_EXTRA=extra_expert is not None, num_warps=num_warps)
     return weights, ids
 
 
 def router_gpt_oss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
-                   block_k: int = BLOCK_K, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS, block_e: int = 0
+                   block_k: int = BLOCK_K, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K], weight [E, K], bias [E] (x's dtype) -> topk_weights [T, k] float32 (softmax over
     the k largest logits, the logits rounded to x's dtype as the linear leaves them) and topk_ids
     [T, k] int32, best first."""
     return _router(x, weight, bias, None, top_k, SCORING_SOFTMAX_TOPK, True, 1.0, True, block_k, block_t,
-                   num_warps, block_e=block_e)
+                   num_warps)
 
 
 def router_glm(x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
                renormalize: bool = True, routed_scaling_factor: float = 1.0, n_group: int = 1,
                topk_group: int = 1, block_k: int = BLOCK_K, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS,
-               shared_expert: int | None = None, block_e: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+               shared_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K], weight [E, K] (any float dtype; products and sums in float32), correction_bias [E]
     float32 (selection only) -> topk_weights [T, k] float32 and topk_ids [T, k] int32 as route_glm;
     with shared_expert, [T, k + 1] whose last column is that expert at weight 1 (a shared expert
@@ -195,16 +141,15 @@ def router_glm(x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Ten
         raise NotImplementedError(f"grouped top-k (n_group={n_group}) is not in the kernel; "
                                   "GLM-4.5V uses n_group=1, see route_glm_ref for the grouped math")
     return _router(x, weight, None, correction_bias, top_k, SCORING_SIGMOID, renormalize, routed_scaling_factor,
-                   False, block_k, block_t, num_warps, shared_expert, block_e)
+                   False, block_k, block_t, num_warps, shared_expert)
 
 
-def router_gpt_oss_ref(x, weight, bias, top_k, block_k=BLOCK_K, block_t=BLOCK_T, num_warps=NUM_WARPS, block_e=0):
+def router_gpt_oss_ref(x, weight, bias, top_k, block_k=BLOCK_K, block_t=BLOCK_T, num_warps=NUM_WARPS):
     return route_gpt_oss_ref(F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype)), top_k)
 
 
 def router_glm_ref(x, weight, correction_bias, top_k, renormalize=True, routed_scaling_factor=1.0, n_group=1,
-                   topk_group=1, block_k=BLOCK_K, block_t=BLOCK_T, num_warps=NUM_WARPS, shared_expert=None,
-                   block_e=0):
+                   topk_group=1, block_k=BLOCK_K, block_t=BLOCK_T, num_warps=NUM_WARPS, shared_expert=None):
     w, ids = route_glm_ref(F.linear(x.to(torch.float32), weight.to(torch.float32)), correction_bias, top_k,
                            renormalize, routed_scaling_factor, n_group, topk_group)
     return (w, ids) if shared_expert is None else with_shared_expert(w, ids, shared_expert)

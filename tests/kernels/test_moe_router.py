@@ -32,50 +32,43 @@ def _check_gpt_oss(weights, ids, logits, k):
     torch.testing.assert_close(weights, torch.softmax(chosen, -1), rtol=2e-2, atol=2e-3)
 
 
-# block_e > 0: the whole-row kernel (block_e experts a program); 20 experts in blocks of 8 leave a
-# partial block
-@pytest.mark.parametrize("t,e,k_dim,block_t,block_e", [(1, 128, 200, 1, 0), (5, 20, 70, 2, 0), (3, 32, 64, 1, 0),
-                                                       (1, 128, 200, 1, 1), (5, 20, 70, 1, 8), (2, 32, 64, 1, 2)])
-def test_router_gpt_oss(t, e, k_dim, block_t, block_e):
+@pytest.mark.parametrize("t,e,k_dim,block_t", [(1, 128, 200, 1), (5, 20, 70, 2), (3, 32, 64, 1)])
+def test_router_gpt_oss(t, e, k_dim, block_t):
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float16  # the interpreter truncates to bf16
     x = torch.randn(t, k_dim, device=DEV).to(dtype)
     w = (torch.randn(e, k_dim, device=DEV) / 8).to(torch.bfloat16)
     b = torch.randn(e, device=DEV).to(dtype)
-    weights, ids = router_gpt_oss(x, w, b, 4, block_t=block_t, block_e=block_e)
+    weights, ids = router_gpt_oss(x, w, b, 4, block_t=block_t)
     _check_gpt_oss(weights, ids, _gpt_oss_logits(x, w, b), 4)
     rw, rids = router_gpt_oss_ref(x, w, b, 4)
     _check_gpt_oss(rw, rids, _gpt_oss_logits(x, w, b), 4)
 
 
-@pytest.mark.parametrize("t,e,k_dim,k,block_t,block_e", [(1, 128, 200, 8, 1, 0), (6, 24, 100, 3, 4, 0),
-                                                         (2, 64, 128, 8, 1, 0), (1, 128, 200, 8, 1, 2),
-                                                         (6, 24, 100, 3, 1, 16)])
-def test_router_glm(t, e, k_dim, k, block_t, block_e):
+@pytest.mark.parametrize("t,e,k_dim,k,block_t", [(1, 128, 200, 8, 1), (6, 24, 100, 3, 4), (2, 64, 128, 8, 1)])
+def test_router_glm(t, e, k_dim, k, block_t):
     x = torch.randn(t, k_dim, device=DEV).to(torch.bfloat16)
     w = (torch.randn(e, k_dim, device=DEV) / 8).to(torch.bfloat16)
     bias = torch.randn(e, device=DEV) * 0.5  # large enough to change the selection
-    weights, ids = router_glm(x, w, bias, k, renormalize=True, routed_scaling_factor=2.5, block_t=block_t,
-                              block_e=block_e)
+    weights, ids = router_glm(x, w, bias, k, renormalize=True, routed_scaling_factor=2.5, block_t=block_t)
     rw, rids = router_glm_ref(x, w, bias, k, renormalize=True, routed_scaling_factor=2.5)
     # float32 logits: ties are as unlikely as in the reference's own tests
     assert torch.equal(ids, rids.to(ids.device))
     torch.testing.assert_close(weights, rw, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("t,block_t,block_e", [(1, 1, 0), (5, 2, 0), (3, 1, 4)])
-def test_router_glm_with_the_shared_expert_column(t, block_t, block_e):
+@pytest.mark.parametrize("t,block_t", [(1, 1), (5, 2)])
+def test_router_glm_with_the_shared_expert_column(t, block_t):
     # the shared expert stacked behind the routed ones: one more column, expert E at weight 1
     e, k_dim, k = 24, 100, 3
     x = torch.randn(t, k_dim, device=DEV).to(torch.bfloat16)
     w = (torch.randn(e, k_dim, device=DEV) / 8).to(torch.bfloat16)
     bias = torch.randn(e, device=DEV) * 0.5
-    weights, ids = router_glm(x, w, bias, k, routed_scaling_factor=2.5, block_t=block_t, shared_expert=e,
-                              block_e=block_e)
+    weights, ids = router_glm(x, w, bias, k, routed_scaling_factor=2.5, block_t=block_t, shared_expert=e)
     rw, rids = router_glm_ref(x, w, bias, k, routed_scaling_factor=2.5, shared_expert=e)
     assert ids.shape == (t, k + 1) and torch.equal(ids, rids.to(ids.device))
     assert (ids[:, -1] == e).all() and (weights[:, -1] == 1).all()
     torch.testing.assert_close(weights, rw, rtol=1e-5, atol=1e-6)
-    plain_w, plain_ids = router_glm(x, w, bias, k, routed_scaling_factor=2.5, block_t=block_t, block_e=block_e)
+    plain_w, plain_ids = router_glm(x, w, bias, k, routed_scaling_factor=2.5, block_t=block_t)
     assert torch.equal(ids[:, :k], plain_ids) and torch.equal(weights[:, :k], plain_w)
 
 
@@ -84,9 +77,9 @@ def test_router_counts_reset_and_rejects():
     again; a second call with other activations gives their own routing."""
     w = (torch.randn(16, 96, device=DEV) / 8).to(torch.bfloat16)
     b = torch.zeros(16, device=DEV).to(torch.bfloat16)
-    for block_e in (0, 0, 4, 4):
+    for _ in range(2):
         x = torch.randn(3, 96, device=DEV).to(torch.bfloat16)
-        weights, ids = router_gpt_oss(x, w, b, 2, block_k=32, block_t=2, block_e=block_e)
+        weights, ids = router_gpt_oss(x, w, b, 2, block_k=32, block_t=2)
         _check_gpt_oss(weights, ids, _gpt_oss_logits(x, w, b), 2)
         assert int(arrival_counts(x.device, 2)[:2].abs().sum()) == 0
     with pytest.raises(ValueError, match="top_k"):
@@ -98,16 +91,16 @@ def test_router_counts_reset_and_rejects():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,block_e", [(1, 0), (7, 0), (32, 0), (1, 1), (4, 2)])
-def test_router_gpu_real_shapes(t, block_e):
+@pytest.mark.parametrize("t", [1, 7, 32])
+def test_router_gpu_real_shapes(t):
     """gpt-oss-120b (128 experts of 2880, top-4, biases) and GLM-4.5V (128 of 4096, top-8,
     correction bias) against the GEMM + routing launches they replace, also replayed from a CUDA
-    graph, and timed against them; block_e > 0: the whole-row kernel."""
+    graph, and timed against them."""
     torch.manual_seed(t)
     x = torch.randn(t, 2880, device="cuda").to(torch.bfloat16)
     w = (torch.randn(128, 2880, device="cuda") / 50).to(torch.bfloat16)
     b = (torch.randn(128, device="cuda") / 10).to(torch.bfloat16)
-    weights, ids = router_gpt_oss(x, w, b, 4, block_e=block_e)
+    weights, ids = router_gpt_oss(x, w, b, 4)
     _check_gpt_oss(weights, ids, _gpt_oss_logits(x, w, b), 4)
     old = lambda: route_gpt_oss(F.linear(x, w, b), 4)  # noqa: E731
     _check_gpt_oss(*old(), _gpt_oss_logits(x, w, b), 4)
@@ -115,20 +108,20 @@ def test_router_gpu_real_shapes(t, block_e):
     xg = torch.randn(t, 4096, device="cuda").to(torch.bfloat16)
     wg = (torch.randn(128, 4096, device="cuda") / 50).to(torch.bfloat16)
     bias = torch.randn(128, device="cuda") / 20
-    gw, gids = router_glm(xg, wg, bias, 8, block_e=block_e)
+    gw, gids = router_glm(xg, wg, bias, 8)
     rw, rids = route_glm(F.linear(xg.float(), wg.float()), bias, 8)
     assert torch.equal(gids, rids)
     torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = router_gpt_oss(x, w, b, 4, block_e=block_e)
+        out = router_gpt_oss(x, w, b, 4)
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.cuda.synchronize()
         _check_gpt_oss(*out, _gpt_oss_logits(x, w, b), 4)
-    fused_us = cuda_time_us(lambda: router_gpt_oss(x, w, b, 4, block_e=block_e))
+    fused_us = cuda_time_us(lambda: router_gpt_oss(x, w, b, 4))
     old_us = cuda_time_us(old)
 
-    print(f"\n  router T={t} block_e={block_e}: one launch {fused_us:.1f} us, GEMM + routing {old_us:.1f} us")
+    print(f"\n  router T={t}: one launch {fused_us:.1f} us, GEMM + routing {old_us:.1f} us")
