@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_moe_sweep import (CALLS, COPY_CEILING_GBS, expert_bytes, graph_time_us, make_case,  # noqa: E402
                              random_routings)
 
+from localchat.engine.weights.formats import aligned_scale_rows  # noqa: E402
 from localchat.kernels.moe import MoeConfig, default_config, fused_moe  # noqa: E402
 from localchat.kernels.moe_routing import with_shared_expert  # noqa: E402
 
@@ -62,7 +63,8 @@ def main() -> None:
                         "after slashes: c sums each token's rows in the down kernel, dN:K:W:S is the down "
                         "kernel's tile (gemv:16:256:2:3/d64:256:4:3/c); of half2: tK, the K step after the last "
                         "whole one (half2:8:256:1:3/t256: one masked step), w: 16-byte activation loads in gate/up, "
-                        "dN:K:W:S the down kernel's tile")
+                        "dN:K:W:S the down kernel's tile, T / Tg: the TMA kernels for both / gate/up (K steps of 512; "
+                        "t0: the last step past K on zeros)")
     parser.add_argument("--shared", action="store_true",
                         help="FP8 and bf16 cases: one more expert taken by every token with weight 1")
     args = parser.parse_args()
@@ -75,6 +77,11 @@ def main() -> None:
         if shared:
             name += " + shared expert"
         experts = make_case(family, e + shared, h, i)
+        # MXFP4: scale rows 16-byte aligned, as the loader stores them (the TMA kernels need it);
+        # the default also on the checkpoint's unpadded rows, where it takes the pointer kernels
+        raw = experts
+        if mx:
+            experts = replace(experts, **{n: aligned_scale_rows(getattr(experts, n)) for n in ("gate", "up", "down")})
         per_expert = expert_bytes(experts)
         for t in (int(v) for v in args.ts.split(",")):
             x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
@@ -82,8 +89,8 @@ def main() -> None:
             if shared:
                 routings = [with_shared_expert(w, ids, e) for w, ids in routings]
             nbytes = per_expert * sum(ids.unique().numel() for _, ids in routings) / CALLS
-            base = default_config(t * (k + shared), e + shared, fmt_code, True, 2)
-            variants = [("default", base)]
+            base = default_config(t * (k + shared), e + shared, fmt_code, True, 2, tma=mx)
+            variants = [("default", base)] + ([("default, unpadded scale rows", None)] if mx else [])
             if mx and args.words:
                 variants.append(("words", MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True)))
             for spec in filter(None, args.rows.split(",")):
@@ -96,18 +103,23 @@ def main() -> None:
                 bm = 1 if kind == "half2" else int(kind[4:] or 1)
                 cfg = MoeConfig(bm, int(bn), int(bk), int(nw), int(ns), gemv=not kind.startswith("tile"),
                                 mx_half2=kind == "half2")
-                for opt in options:  # gemv with one pair per program: c, dN:K:W:S; half2: tK, w (wide_x), dN:K:W:S
+                for opt in options:  # gemv with one pair per program: c, dN:K:W:S; half2: tK, w (wide_x), dN:K:W:S, T, Tg
                     if opt == "c":
                         cfg = replace(cfg, fused_combine=True)
                     elif opt == "w":
                         cfg = replace(cfg, wide_x=True)
+                    elif opt == "T":
+                        cfg = replace(cfg, tma=True, tma_down=True)
+                    elif opt == "Tg":
+                        cfg = replace(cfg, tma=True)
                     elif opt.startswith("t"):
                         cfg = replace(cfg, tail_k=int(opt[1:]))
                     elif opt.startswith("d"):
                         cfg = replace(cfg, down_tile=tuple(int(v) for v in opt[1:].split(":")))
                 variants.append((spec, cfg))
             for label, cfg in variants:
-                calls = [lambda w=w, ids=ids, cfg=cfg, ex=experts: fused_moe(x, ex, w, ids, config=cfg)
+                ex = raw if cfg is None else experts  # None: fused_moe's own choice on the unpadded rows
+                calls = [lambda w=w, ids=ids, cfg=cfg, ex=ex: fused_moe(x, ex, w, ids, config=cfg)
                          for w, ids in routings]
                 graph_us = graph_time_us(calls)
                 kernels = kernel_times_us(calls)

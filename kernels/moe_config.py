@@ -75,6 +75,12 @@ class MoeConfig:
     # 4-byte ones. H200, gpt-oss: one token's gate/up 18.6 -> 15.9 us; slower from 8 pairs (the
     # step 1-3% at 2-4 tokens) and in down at every size (bench/moe_breakdown.py; BENCHMARKS.md)
     wide_x: bool = False
+    # mx_half2: gate/up's (tma) and down's (tma_down) weight words and scales brought in by the
+    # TMA engine (kernels/moe_gemv_tma.py): K steps multiples of 512, scale rows stored 16-byte
+    # aligned; tail_k 0 runs their last step past K on zeros instead of a tail (the pointer
+    # kernels then take steps of 64)
+    tma: bool = False
+    tma_down: bool = False
 
     @property
     def down_launch(self) -> tuple[int, int, int, int]:
@@ -119,14 +125,15 @@ SHARED_MEMORY_BUDGET = 200 * 1024
 
 
 def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2,
-                   bf16: bool = True) -> MoeConfig:
+                   bf16: bool = True, tma: bool = False) -> MoeConfig:
     """Tile sizes by the expected pairs per expert (uniform routing). Each choice below is the
     fastest measured at that load on an H200 (bench/bench_moe_sweep.py, bench/moe_breakdown.py,
     bench/NOTES-moe.md). The row kernels' num_stages is the depth of the compiler's software
     pipeline over K (asynchronous copies of the weight and activation chunks); one-warp programs
     gain from it, multi-warp ones lost. MXFP4: the packed-f16 row kernels with one pair per program
     up to one pair per expert (gpt-oss-120b to 32 tokens, gpt-oss-20b to 8; fused_moe falls back to
-    the word-decode kernels for experts other than gpt-oss's clamped SwiGLU), then with bf16
+    the word-decode kernels for experts other than gpt-oss's clamped SwiGLU; from 16 pairs, where
+    the stacks allow it (tma: rows 16-byte aligned), on the TMA-fed versions), then with bf16
     activations the tensor-core kernels that decode each expert once for its pairs
     (moe_mx_mma.py), more pairs per block as the pairs per expert grow; fp16 activations take the
     dot_scaled tiles there. FP8: pipelined row kernels up to one pair per expert (GLM-4.5V to 16 tokens; 64 rows
@@ -137,6 +144,12 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
         return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
     per_expert = num_pairs / max(num_experts, 1)
     if fmt == FMT_MXFP4 and per_expert <= (1 if bf16 else 4):
+        if tma and num_pairs >= 16:
+            # words and scales through the TMA engine from 4 tokens (gpt-oss): 2-6% faster than the
+            # pointer kernels at 4-32 tokens, slower at 1-2 (bench/NOTES-moe.md); down on 32 rows
+            # from 64 pairs
+            return MoeConfig(1, 16, 512, 1, 3, gemv=True, mx_half2=True, wide_x=True, tma=True, tma_down=True,
+                             tail_k=0, down_tile=(32 if num_pairs >= 64 else 16, 512, 1, 3))
         if per_expert <= 0.5:
             # three stages and 16-byte activation loads in gate/up for one token's pairs (few
             # programs, each keeping more K steps in flight); from 8 pairs two stages measured 6%

@@ -221,6 +221,35 @@ def half2_input_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
+def store_swiglu_rows(g, u, e, n, n_mask, pair, N, bg_ptr, bu_ptr, stride_be, stride_bn, out_ptr, act_scale, alpha,
+                      limit, HAS_BIAS: tl.constexpr):
+    """g, u [BLOCK_N] float32: one pair's gate and up sums for rows n of expert e -> the biases, the
+    clamped SwiGLU (gpt-oss), stored as f16 act * act_scale in pair order to out [pairs, N]."""
+    if HAS_BIAS:
+        b_off = e.to(tl.int64) * stride_be + n * stride_bn
+        g += tl.load(bg_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)
+        u += tl.load(bu_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    h = g * tl.sigmoid(alpha * g) * (u + 1.0)
+    tl.store(out_ptr + pair.to(tl.int64) * N + _half2_pos(n), (h * act_scale).to(tl.float16), mask=n_mask)
+
+
+@triton.jit
+def store_down_rows(y, e, n, n_mask, pair, b_ptr, stride_be, pair_weights_ptr, y_ptr, stride_yt, HAS_BIAS: tl.constexpr):
+    """y [BLOCK_N] float32: one pair's down sums for rows n of expert e -> (y + bias) * the pair's
+    routing weight, stored to y [pairs, H]."""
+    if HAS_BIAS:
+        y += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)
+    y = y * tl.load(pair_weights_ptr + pair)
+    tl.store(y_ptr + pair.to(tl.int64) * stride_yt + n, y, mask=n_mask)
+
+
+# The scale row stride and the up scales' address are not specialized on being 16-byte multiples:
+# scale rows stored padded for the TMA kernels (moe_gemv_tma.py) would otherwise compile these
+# kernels with other layouts, measured 4-8% slower (bench/NOTES-moe.md), instead of the code the
+# checkpoint's 90-byte rows get.
+@triton.jit(do_not_specialize=["stride_sn", "su_ptr"])
 def moe_gate_up_half2_kernel(
         xq_ptr, x_inv_scale_ptr,
         wg_ptr, wu_ptr, stride_we, stride_wn,
@@ -265,17 +294,11 @@ def moe_gate_up_half2_kernel(
     inv = tl.load(x_inv_scale_ptr + tok)
     g = (tl.sum(acc_g, axis=1) + tl.sum(tail_g, axis=1)) * inv
     u = (tl.sum(acc_u, axis=1) + tl.sum(tail_u, axis=1)) * inv
-    if HAS_BIAS:
-        b_off = e.to(tl.int64) * stride_be + n * stride_bn
-        g += tl.load(bg_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)
-        u += tl.load(bu_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)
-    g = tl.minimum(g, limit)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    h = g * tl.sigmoid(alpha * g) * (u + 1.0)
-    tl.store(out_ptr + pair.to(tl.int64) * N + _half2_pos(n), (h * act_scale).to(tl.float16), mask=n_mask)
+    store_swiglu_rows(g, u, e, n, n_mask, pair, N, bg_ptr, bu_ptr, stride_be, stride_bn, out_ptr, act_scale, alpha,
+                      limit, HAS_BIAS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_sn"])
 def moe_down_half2_kernel(
         aq_ptr, a_inv_scale,
         w_ptr, stride_we, stride_wn,
@@ -307,7 +330,4 @@ def moe_down_half2_kernel(
         tail = _chunk(tail, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
                       stride_sn, stride_sk, INTERPRET, TAIL_K)
     y = (tl.sum(acc, axis=1) + tl.sum(tail, axis=1)) * a_inv_scale
-    if HAS_BIAS:
-        y += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)
-    y = y * tl.load(pair_weights_ptr + pair)
-    tl.store(y_ptr + pair.to(tl.int64) * stride_yt + n, y, mask=n_mask)
+    store_down_rows(y, e, n, n_mask, pair, b_ptr, stride_be, pair_weights_ptr, y_ptr, stride_yt, HAS_BIAS)

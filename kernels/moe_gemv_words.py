@@ -131,7 +131,7 @@ def _slot_sums(a0, a1, a2, a3, BLOCK_M: tl.constexpr):
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_sn", "su_ptr"])  # scale rows: see moe_gemv_half2.py
 def moe_gate_up_words_kernel(
         x_ptr, stride_xt,
         wg_ptr, wu_ptr, stride_we, stride_wn,
@@ -211,7 +211,7 @@ def moe_gate_up_words_kernel(
                valid, alpha, limit, ACT, HAS_BIAS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_sn"])  # scale rows: see moe_gemv_half2.py
 def moe_down_words_kernel(
         a_ptr, stride_at,
         w_ptr, stride_we, stride_wn,

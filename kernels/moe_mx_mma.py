@@ -116,7 +116,7 @@ def _mma_chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_rows, x_mask,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_sn", "su_ptr"])  # scale rows: see moe_gemv_half2.py
 def moe_gate_up_mma_kernel(
         xq_ptr,
         wg_ptr, wu_ptr, stride_we, stride_wn,
@@ -152,7 +152,7 @@ def moe_gate_up_mma_kernel(
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[None, :] & n_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_sn"])  # scale rows: see moe_gemv_half2.py
 def moe_down_mma_kernel(
         aq_ptr,
         w_ptr, stride_we, stride_wn,

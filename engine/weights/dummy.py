@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import ModelSpec
-from .formats import MXFP4_BLOCK, DenseWeight, Fp8Weight, Mxfp4Weight
+from .formats import MXFP4_BLOCK, DenseWeight, Fp8Weight, Mxfp4Weight, aligned_scale_rows
 from .schema import LinearModule, Mxfp4Experts, PlainTensor, TransposedExperts, expected_entries
 
 FP8_MAX = 448.0
@@ -39,7 +39,7 @@ def _mxfp4(shape, std: float, device, gen) -> Mxfp4Weight:
     blocks = torch.randint(0, 256, (*lead, n, k // MXFP4_BLOCK, 16), generator=gen, device=device, dtype=torch.uint8)
     exponent = round(torch.log2(torch.tensor(std / 2.8)).item())
     scales = torch.full((*lead, n, k // MXFP4_BLOCK), 127 + exponent, device=device, dtype=torch.uint8)
-    return Mxfp4Weight(blocks, scales)
+    return aligned_scale_rows(Mxfp4Weight(blocks, scales))  # as the loader stores them
 
 
 def dummy_weights(spec: ModelSpec, *, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
@@ -89,5 +89,5 @@ def to_device(weights: dict, device: torch.device | str, dtype: torch.dtype | No
         elif isinstance(w, Fp8Weight):
             out[name] = Fp8Weight(w.weight.to(device), w.scale.to(device), w.block)
         else:
-            out[name] = Mxfp4Weight(w.blocks.to(device), w.scales.to(device))
+            out[name] = aligned_scale_rows(Mxfp4Weight(w.blocks.to(device), w.scales.to(device)))
     return out

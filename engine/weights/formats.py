@@ -87,6 +87,20 @@ class Mxfp4Weight:
         return w.flatten(-2).to(dtype)
 
 
+def aligned_scale_rows(w: Mxfp4Weight, align: int = 16) -> Mxfp4Weight:
+    """The same weight with each scale row stored at a multiple of `align` bytes (a narrow view of
+    a padded buffer, the pad zero), as the tensor-copy engine reads rows (kernels/moe_gemv_tma.py);
+    the values and every reader through strides are unchanged. A weight already aligned comes back
+    as it is."""
+    s = w.scales
+    if all(st % align == 0 for st in s.stride()[:-1]) and s.stride(-1) == 1 and s.data_ptr() % align == 0:
+        return w
+    groups = s.shape[-1]
+    padded = torch.zeros((*s.shape[:-1], -(-groups // align) * align), dtype=s.dtype, device=s.device)
+    padded[..., :groups] = s
+    return Mxfp4Weight(w.blocks, padded[..., :groups])
+
+
 LinearWeight = DenseWeight | Fp8Weight | Mxfp4Weight
 
 

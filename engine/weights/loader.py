@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..spec import ModelSpec, UnsupportedModel
 from .errors import CheckpointError, redownload_hint
-from .formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight, stored_bytes
+from .formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight, aligned_scale_rows, stored_bytes
 from .plan import LoadPlan, PlannedOutput, plan_load
 from .quant_config import UnsupportedQuantization
 from .safetensors_files import scan_checkpoint
@@ -158,7 +158,9 @@ class _Linear(_Builder):
 
 class _Mxfp4(_Builder):
     def finish(self):
-        return {self.entry.out: Mxfp4Weight(self.parts["blocks"], self.parts["scales"])}
+        # scale rows on 16-byte boundaries, as the TMA-fed MoE kernels read them (+6 bytes a
+        # 90-byte row for gpt-oss)
+        return {self.entry.out: aligned_scale_rows(Mxfp4Weight(self.parts["blocks"], self.parts["scales"]))}
 
 
 class _Transposed(_Builder):

@@ -16,6 +16,7 @@ from localchat.kernels.moe_align import _align_count_kernel, _align_scatter_kern
 from localchat.kernels.moe_gemm import moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel
 from localchat.kernels.moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
+from localchat.kernels.moe_gemv_tma import moe_down_tma_kernel, moe_gate_up_tma_kernel
 from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
 from localchat.kernels.moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel
 from localchat.kernels.moe_router import _router_kernel
@@ -169,11 +170,25 @@ GEMV_FP8 = _types({"x_ptr": "*bf16", "wg_ptr": "*fp8e4nv", "wu_ptr": "*fp8e4nv",
 GEMV_FP8_DOWN = _types({"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16",
                         "pair_weights_ptr": "*fp32", "out_ptr": "*fp32", "pair_ptr": "*i64", "expert_ptr": "*i64",
                         "arrivals_ptr": "*i32", "sum_ptr": "*bf16"})
+
+
+def _tma_types(base, rows: int):
+    """base's argument types plus host tensor descriptors of the codes ([1, rows, 64] int32 words)
+    and the scales ([1, rows, 16] bytes): K steps of 512."""
+    descs = {n: f"tensordesc<i32[1, {rows}, 64]>" for n in ("wg_desc", "wu_desc", "w_desc")}
+    descs.update({n: f"tensordesc<u8[1, {rows}, 16]>" for n in ("sg_desc", "su_desc", "s_desc")})
+    return lambda name: descs.get(name) or base(name)
+
+
 PIPELINED = [
     (f"MXFP4 gate/up half2 n8 k256 w1, 3 stages, 16-byte activation loads {wide}", moe_gate_up_half2_kernel, HALF2,
      dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3, TAIL_K=64, WIDE_X=wide), 1, 3)
     for wide in (False, True)
 ] + [
+    ("MXFP4 gate/up TMA n16 k512 w1, 3 stages", moe_gate_up_tma_kernel, _tma_types(HALF2, 16),
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=16, BLOCK_K=512, STAGES=3, TAIL_K=0, WIDE_X=True), 1, 3),
+    ("MXFP4 down TMA n32 k512 w1, 3 stages", moe_down_tma_kernel, _tma_types(HALF2_DOWN, 32),
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=32, BLOCK_K=512, STAGES=3, TAIL_K=0), 1, 3),
     ("FP8 gate/up row kernel n32 k256 w4, 3 stages", moe_gate_up_gemv_kernel, GEMV_FP8,
      dict(FORMAT=1, SBN=1, SBK=1, SORTED=False, ACT=0, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
           STAGES=3), 4, 3),
@@ -195,6 +210,8 @@ def main() -> int:
             assert "cvt.bf16.f16" not in kernel.asm["ptx"], "direct f16 -> bf16 conversion (F2F)"
             if pipelined:
                 assert "async_copy_global_to_local" in kernel.asm["ttgir"], "K loop not software-pipelined"
+            if "_desc" in " ".join(fn.arg_names):
+                assert "async_tma_copy_global_to_local" in kernel.asm["ttgir"], "descriptor loads not TMA copies"
             print(f"ok     {name}")
         except Exception as e:  # report every kernel, then fail
             failed += 1

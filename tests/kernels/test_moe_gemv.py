@@ -1,10 +1,12 @@
 """The decode-size (row-streaming) MoE kernels against the per-expert float32 reference."""
+from dataclasses import replace
+
 import pytest
 import torch
 
 from kernel_checks import (DEV, quantize_fp8_blocks, random_glm_weights, random_gpt_oss_experts,
                            random_mxfp4, random_routing, rel_err)
-from localchat.engine.weights.formats import Fp8Weight, Mxfp4Weight
+from localchat.engine.weights.formats import Fp8Weight, Mxfp4Weight, aligned_scale_rows
 from localchat.kernels.moe import MoeConfig, MoeExperts, fused_moe, fused_moe_ref, gpt_oss_experts
 from localchat.kernels.moe_routing import route_glm, route_gpt_oss
 
@@ -53,6 +55,12 @@ def test_gemv_rejects_mxfp4_block_k_off_groups():
     w, ids = route_gpt_oss(torch.randn(1, 2, device=DEV), 1)
     with pytest.raises(ValueError, match="multiple of 32"):
         fused_moe(x, experts, w, ids, config=MoeConfig(1, 16, 48, 1, 1, gemv=True))
+
+
+def _aligned(experts):
+    """The experts with their MXFP4 scale rows stored 16-byte aligned, as the TMA kernels read them."""
+    return replace(experts, gate=aligned_scale_rows(experts.gate), up=aligned_scale_rows(experts.up),
+                   down=aligned_scale_rows(experts.down))
 
 
 def _gpt_oss_case(e, h, i, scale_lo=118, scale_hi=123, codes=None):
@@ -120,6 +128,54 @@ def test_gpt_oss_mxfp4_half2(dtype, block_n, block_k, tail_k, wide_x):
     ref = fused_moe_ref(x, experts, w, ids)
     for row in range(t):  # each token to its own relative error, whatever its magnitude
         assert rel_err(out[row], ref[row]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype,block_n,tail_k,wide_x,tma_down,down_tile", [
+    (torch.bfloat16, 32, 0, False, True, None), (torch.float16, 16, 64, True, True, (8, 512, 1, 2)),
+    (torch.bfloat16, 16, 0, True, False, (32, 64, 1, 1))])
+def test_gpt_oss_mxfp4_tma(dtype, block_n, tail_k, wide_x, tma_down, down_tile):
+    # the packed-f16 kernels with words and scales read through tensor descriptors. Gate/up:
+    # K=H=544, one whole 512-wide step and one group; down: K=I=96, no whole step. tail_k 0 runs
+    # a last step past K on the descriptors' zero fill, 64 finishes with the pointer loads (one
+    # masked step). 544 rows leave a partial row block at 32 rows; the pair with expert -1 and the
+    # token magnitudes as in test_gpt_oss_mxfp4_half2. The down kernel on TMA with its own tile, or
+    # on the pointer loads (which take steps of 64 past the last whole step when tail_k is 0).
+    e, k, h, i, t = 3, 2, 544, 96, 3
+    experts = _aligned(_gpt_oss_case(e, h, i, scale_lo=110, scale_hi=131))
+    cfg = MoeConfig(1, block_n, 512, 1, 2, gemv=True, mx_half2=True, tma=True, tma_down=tma_down, tail_k=tail_k,
+                    wide_x=wide_x, down_tile=down_tile)
+    x = torch.randn(t, h, device=DEV, dtype=dtype) * torch.tensor([[1e-3], [1.0], [300.0]], device=DEV).to(dtype)
+    w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
+    ids[2, 1] = -1
+    out = fused_moe(x, experts, w, ids, config=cfg)
+    ref = fused_moe_ref(x, experts, w, ids)
+    for row in range(t):
+        assert rel_err(out[row], ref[row]) < TOL[dtype]
+    if tail_k == 0 and tma_down:  # the same group sums as the pointer-load kernels, read another way
+        plain = fused_moe(x, experts, w, ids, config=replace(cfg, tma=False, tma_down=False, block_k=256, tail_k=32))
+        assert rel_err(out, plain) < 1e-5
+
+
+def test_tma_kernels_refuse_unaligned_scales_and_short_steps():
+    e, k, h, i, t = 2, 2, 544, 96, 1
+    experts = _gpt_oss_case(e, h, i)  # scale rows of 17 and 3 bytes
+    x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
+    with pytest.raises(ValueError, match="aligned_scale_rows"):
+        fused_moe(x, experts, w, ids, config=MoeConfig(1, 16, 512, 1, 2, gemv=True, mx_half2=True, tma_down=True))
+    with pytest.raises(ValueError, match="multiple of 512"):
+        fused_moe(x, _aligned(experts), w, ids,
+                  config=MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True, tma=True))
+
+
+def test_aligned_scale_rows_keeps_values():
+    blocks, scales = random_mxfp4(3, 8, 96, device=DEV)
+    wt = Mxfp4Weight(blocks, scales)
+    aligned = aligned_scale_rows(wt)
+    assert aligned.scales.stride(-2) == 16 and aligned.scales.data_ptr() % 16 == 0
+    assert torch.equal(aligned.scales, scales) and aligned.blocks is blocks
+    assert torch.equal(aligned.dequantize(), wt.dequantize())
+    assert aligned_scale_rows(aligned) is aligned
 
 
 def test_gpt_oss_mxfp4_half2_down_tile():
@@ -251,15 +307,20 @@ def test_new_row_kernels_reject_bad_tiles():
     (8, MoeConfig(1, 8, 256, 1, 2, gemv=True, mx_half2=True)),
     (32, MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True)),
     (4, MoeConfig(1, 8, 256, 1, 2, gemv=True, mx_half2=True, tail_k=256)),
+    (1, MoeConfig(1, 8, 512, 1, 3, gemv=True, mx_half2=True, tma=True, tma_down=True, wide_x=True, tail_k=0)),
+    (1, MoeConfig(1, 16, 512, 1, 3, gemv=True, mx_half2=True, tma=True, wide_x=True, down_tile=(8, 256, 1, 3))),
     (1, MoeConfig(1, 16, 256, 1, 3, gemv=True, mx_half2=True, wide_x=True, down_tile=(8, 256, 1, 3))),
+    (32, MoeConfig(1, 16, 512, 1, 3, gemv=True, mx_half2=True, tma=True, tma_down=True, tail_k=0, wide_x=True)),
 ])
 def test_gpt_oss_row_kernels_gpu(t, cfg):
     e, k, h, i = 128, 4, 2880, 2880
     experts = random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda")
+    if cfg.tma or cfg.tma_down:
+        experts = _aligned(experts)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     w, ids = route_gpt_oss(torch.randn(t, e, device="cuda"), k)
     err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
-    kind = "half2" if cfg.mx_half2 else "words"
+    kind = ("tma" if cfg.tma or cfg.tma_down else "half2") if cfg.mx_half2 else "words"
     print(f"\ngpt-oss-120b {kind} T={t} {cfg}: rel err {err:.1e}")
     assert err < TOL[torch.bfloat16]
 
@@ -371,3 +432,30 @@ def test_gpt_oss_decode_defaults_load_wide_activations_at_one_token():
         for t in (2, 8):
             cfg = default_config(4 * t, experts, FMT_MXFP4, on_gpu=True)
             assert not cfg.wide_x
+
+
+def test_gpt_oss_decode_defaults_take_tma_from_four_tokens():
+    # with 16-byte aligned stacks the packed-f16 kernels read through the TMA engine from 16 pairs
+    # (4 tokens) to one pair per expert; down on 32 rows from 64 pairs; never without alignment
+    from localchat.kernels.moe import FMT_MXFP4, default_config
+    for t in (1, 2):
+        assert not default_config(4 * t, 128, FMT_MXFP4, on_gpu=True, tma=True).tma
+    for t, rows in ((4, 16), (8, 16), (16, 32), (32, 32)):
+        cfg = default_config(4 * t, 128, FMT_MXFP4, on_gpu=True, tma=True)
+        assert cfg.mx_half2 and cfg.tma and cfg.tma_down and cfg.block_k == 512 and cfg.down_tile[0] == rows
+        assert not default_config(4 * t, 128, FMT_MXFP4, on_gpu=True).tma
+    assert not default_config(4 * 64, 128, FMT_MXFP4, on_gpu=True, tma=True).mx_half2  # tensor-core tiles
+
+
+def test_loaded_mxfp4_stacks_have_aligned_scale_rows():
+    # what the loader, the dummy weights and the parallel slicing hand the MoE: scale rows on
+    # 16-byte boundaries (so fused_moe's default may take the TMA kernels), values unchanged
+    from localchat.engine.parallel.slicing import Slice, slice_value
+    from localchat.engine.weights.dummy import _mxfp4
+    w = _mxfp4((4, 64, 2880), 0.02, DEV, torch.Generator(device=DEV))
+    assert w.scales.shape == (4, 64, 90) and w.scales.stride(-2) == 96
+    for s in (Slice(dim=0, start=1, end=3), Slice(dim=2, start=0, end=1440)):
+        part = slice_value("experts.down", w, s)
+        assert part.scales.stride(-2) % 16 == 0 and part.scales.data_ptr() % 16 == 0
+    half = slice_value("experts.down", w, Slice(dim=2, start=1440, end=2880))
+    assert torch.equal(half.dequantize(), w.dequantize()[..., 1440:])
