@@ -73,7 +73,8 @@ class MoeConfig:
     tail_k: int = 64
     # mx_half2 gate/up: each word's four activation pairs as one 16-byte load instead of four
     # 4-byte ones. H200, gpt-oss: one token's gate/up 18.6 -> 15.9 us; slower from 8 pairs (the
-    # step 1-3% at 2-4 tokens) and in down at every size (bench/moe_breakdown.py; BENCHMARKS.md)
+    # step 1-3% at 2-4 tokens) and in down at every size (bench/moe_breakdown.py; BENCHMARKS.md);
+    # the TMA-fed gate/up (tma below) gains from it at 4-32 tokens
     wide_x: bool = False
     # mx_half2: gate/up's (tma) and down's (tma_down) weight words and scales brought in by the
     # TMA engine (kernels/moe_gemv_tma.py): K steps multiples of 512, scale rows stored 16-byte
