@@ -6,10 +6,10 @@ moe_align (group pairs by expert) -> moe_gate_up_kernel (gate and up GEMMs with 
 At decode sizes the row-streaming kernels (moe_gemv*.py) take one pair per program and skip
 moe_align; for MXFP4 experts with gpt-oss's clamped SwiGLU they run on packed f16 FMAs
 (moe_gemv_half2.py, one more small launch that scales the activations; from 4 tokens, where the
-stacks' rows are 16-byte aligned as the loader stores them, fed by the TMA engine:
-moe_gemv_tma.py). From two pairs per expert on, MXFP4 experts with bf16 activations run on
-tensor-core kernels that decode each expert's rows once for all its pairs (moe_mx_mma.py; the
-activations are first reordered by one copy).
+stacks' rows are 16-byte aligned as the loader stores them, fed by the TMA engine). From two
+pairs per expert on, MXFP4 experts with bf16 activations run on tensor-core kernels that decode
+each expert's rows once for all its pairs (moe_mx_mma.py; the activations are first reordered by
+one copy).
 Routing (topk_weights, topk_ids) comes from kernels/moe_routing.py.
 
 Weights stay in their checkpoint format (kernels/moe_gemm.py lists the four). The expert stacks
@@ -34,7 +34,6 @@ from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT
                        moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
 from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from .moe_gemv_half2 import act_scale_exp, moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
-from .moe_gemv_tma import moe_down_tma_kernel, moe_gate_up_tma_kernel
 from .moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
 from .moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel
 
@@ -112,7 +111,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     on_gpu = compiled_on_gpu(x.device)
     # the MXFP4 tensor-core kernels need bf16 activations and MXFP4 down weights as well
     mma_ok = x.dtype == torch.bfloat16 and fmt_d == FMT_MXFP4
-    # the TMA row kernels read MXFP4 stacks whose rows all start on 16-byte boundaries (scale rows
+    # the TMA loads read MXFP4 stacks whose rows all start on 16-byte boundaries (scale rows
     # stored padded by the loader; a view narrowed along K may not be)
     tma_ok = (fmt == fmt_d == FMT_MXFP4 and experts.activation == "swiglu_clamped"
               and _tma_ready(wg, wu, wd, sg, su, sd))
@@ -252,14 +251,14 @@ def _tma_ready(*tensors: torch.Tensor) -> bool:
 
 
 def _tma_descriptors(words: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int):
-    """Tensor descriptors of one MXFP4 stack for the TMA row kernels (moe_gemv_tma.py): codes as
+    """Tensor descriptors of one MXFP4 stack for the packed-f16 kernels' TMA loads: codes as
     int32 words [E, N, K / 8] in boxes [1, block_n, block_k / 8], E8M0 scales [E, N, K / 32] in
     boxes [1, block_n, block_k / 32]."""
     if block_k % 512:
         raise ValueError(f"the TMA row kernels need block_k a multiple of 512 (16-byte scale boxes), got {block_k}")
     for t, what in ((words, "codes"), (scales, "scales")):
         if not _tma_ready(t):
-            raise ValueError(f"the TMA row kernels need the MXFP4 {what} at 16-byte aligned rows (strides "
+            raise ValueError(f"the TMA loads need the MXFP4 {what} at 16-byte aligned rows (strides "
                              f"{tuple(t.stride())} of {t.element_size()}-byte elements); store the scales with "
                              "engine.weights.formats.aligned_scale_rows")
     return (TensorDescriptor.from_tensor(words, [1, block_n, block_k // 8]),
@@ -317,29 +316,23 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     down_args = (down_words, stride_de, stride_dn, sd, *sd_strides, bd, bd_stride,
                  topk_weights.reshape(-1).to(torch.float32), y, y.stride(0), expert_ids, h, i)
     down_n, down_k, down_warps, down_stages = cfg.down_launch
-    # tail_k 0: the TMA kernels run their last step past K; the pointer kernels keep steps of 64
-    gate_up_consts = dict(INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
-                          HAS_BIAS=experts.gate_bias is not None,
-                          TAIL_K=min(cfg.tail_k if cfg.tma else cfg.tail_k or 64, cfg.block_k),
-                          WIDE_X=cfg.wide_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    down_consts = dict(INTERPRET=interpret, BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages,
-                       HAS_BIAS=has_down_bias, TAIL_K=min(cfg.tail_k if cfg.tma_down else cfg.tail_k or 64, down_k),
-                       num_warps=down_warps, num_stages=down_stages)
-    gate_up_grid = (num_pairs, triton.cdiv(i, cfg.block_n))
+    gate_up_descs, down_descs = {}, {}
     if cfg.tma:
         (wg_desc, sg_desc), (wu_desc, su_desc) = (_tma_descriptors(words, scales, cfg.block_n, cfg.block_k)
                                                   for words, scales in ((gate_words, sg), (up_words, su)))
-        moe_gate_up_tma_kernel[gate_up_grid](xq.view(torch.int32), x_inv_scale, wg_desc, wu_desc, sg_desc, su_desc,
-                                             *gate_up_args, **gate_up_consts)
-    else:
-        moe_gate_up_half2_kernel[gate_up_grid](xq.view(torch.int32), x_inv_scale, *gate_up_args, **gate_up_consts)
-    down_grid = (num_pairs, triton.cdiv(h, down_n))
-    a_inv_scale = float(2.0 ** -act_exp)
+        gate_up_descs = dict(wg_desc=wg_desc, wu_desc=wu_desc, sg_desc=sg_desc, su_desc=su_desc, TMA=True)
     if cfg.tma_down:
-        wd_desc, sd_desc = _tma_descriptors(down_words, sd, down_n, down_k)
-        moe_down_tma_kernel[down_grid](act.view(torch.int32), a_inv_scale, wd_desc, sd_desc, *down_args, **down_consts)
-    else:
-        moe_down_half2_kernel[down_grid](act.view(torch.int32), a_inv_scale, *down_args, **down_consts)
+        w_desc, s_desc = _tma_descriptors(down_words, sd, down_n, down_k)
+        down_descs = dict(w_desc=w_desc, s_desc=s_desc, TMA=True)
+    moe_gate_up_half2_kernel[(num_pairs, triton.cdiv(i, cfg.block_n))](
+        xq.view(torch.int32), x_inv_scale, *gate_up_args, HAS_BIAS=experts.gate_bias is not None,
+        INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
+        TAIL_K=min(cfg.tail_k, cfg.block_k), WIDE_X=cfg.wide_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **gate_up_descs)
+    moe_down_half2_kernel[(num_pairs, triton.cdiv(h, down_n))](
+        act.view(torch.int32), float(2.0 ** -act_exp), *down_args, HAS_BIAS=has_down_bias, INTERPRET=interpret,
+        BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages, TAIL_K=min(cfg.tail_k, down_k), num_warps=down_warps,
+        num_stages=down_stages, **down_descs)
     return _combine(y, topk_ids, out)
 
 

@@ -77,9 +77,9 @@ class MoeConfig:
     # the TMA-fed gate/up (tma below) gains from it at 4-32 tokens
     wide_x: bool = False
     # mx_half2: gate/up's (tma) and down's (tma_down) weight words and scales brought in by the
-    # TMA engine (kernels/moe_gemv_tma.py): K steps multiples of 512, scale rows stored 16-byte
-    # aligned; tail_k 0 runs their last step past K on zeros instead of a tail (the pointer
-    # kernels then take steps of 64)
+    # TMA engine (kernels/moe_gemv_half2.py): K steps multiples of 512, scale rows stored 16-byte
+    # aligned; tail_k 0 runs the last step past K (on the boxes' zero fill, or masked where read
+    # through pointers) instead of a tail
     tma: bool = False
     tma_down: bool = False
 

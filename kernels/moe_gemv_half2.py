@@ -24,7 +24,13 @@ mantissa) is finer than the bf16 that the reference rounds it to.
 
 Loads: the K loop is software-pipelined STAGES deep (asynchronous copies of the words and the
 activation pairs); the one-byte E8M0 scales stay ordinary loads (reading them through 32-bit
-words, so that they are copied ahead too, measured slower: bench/NOTES-moe.md).
+words, so that they are copied ahead too, measured slower: bench/NOTES-moe.md). With TMA (
+MoeConfig.tma / tma_down) each whole K step is instead two bulk tensor copies per matrix, a
+[BLOCK_N, BLOCK_K / 8] box of words and a [BLOCK_N, BLOCK_K / 32] box of scales, issued by one
+thread into the same pipeline, so the scales are copied ahead too. The tensor-copy engine needs
+row strides in multiples of 16 bytes, so the MXFP4 scale rows are stored padded to that
+(engine/weights/formats.py, `aligned_scale_rows`), and boxes at least 16 bytes wide, so BLOCK_K is
+a multiple of 512; boxes past the end of a row read zeros (zero codes add nothing).
 
 Under TRITON_INTERPRET the assembly cannot run; the kernels compute the same group sums in
 float32 instead (INTERPRET=True), which tests every index, order and scale around it.
@@ -169,14 +175,42 @@ def _group_dot(w, x0, x1, x2, x3, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se, stride_sn,
-           stride_sk, INTERPRET: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc [BN, G] + this K chunk's group sums times 2^(s - 127 + 6), from the E8M0 exponent
-    field (valid for scales s <= 248)."""
-    w, scale = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se, stride_sn,
-                             stride_sk, BLOCK_K)
+def _scaled_sums(acc, w, scale, x0, x1, x2, x3, INTERPRET: tl.constexpr):
+    """acc [BN, G] + the group sums of words w [BN, G, 4] times 2^(s - 127 + 6), from the E8M0
+    exponent field of scale [BN, G] (valid for scales s <= 248)."""
     mult = ((scale.to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)
     return acc + _group_dot(w, x0, x1, x2, x3, INTERPRET) * mult
+
+
+@triton.jit
+def _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se, stride_sn,
+           stride_sk, INTERPRET: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_scaled_sums of this K chunk of rows n, read through the pointers (past K: masked)."""
+    w, scale = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se, stride_sn,
+                             stride_sk, BLOCK_K)
+    return _scaled_sums(acc, w, scale, x0, x1, x2, x3, INTERPRET)
+
+
+@triton.jit
+def _tma_chunk(acc, w_desc, s_desc, e, n0, k0, x0, x1, x2, x3, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """_scaled_sums of this K chunk of BLOCK_N rows from n0, read through the tensor descriptors
+    (past K or N: the boxes' zero fill)."""
+    G: tl.constexpr = BLOCK_K // 32
+    e = e.to(tl.int32)  # descriptor coordinates are 32-bit; expert ids may come as int64
+    w = tl.reshape(w_desc.load([e, n0, k0 // 8]), (BLOCK_N, G, 4))
+    scale = tl.reshape(s_desc.load([e, n0, k0 // 32]), (BLOCK_N, G))
+    return _scaled_sums(acc, w, scale, x0, x1, x2, x3, INTERPRET)
+
+
+@triton.jit
+def _whole_steps_end(K, BLOCK_K: tl.constexpr, TAIL_K: tl.constexpr):
+    """Where the pipelined BLOCK_K steps stop: the end of the last whole one, the rest going in
+    TAIL_K steps; with TAIL_K 0 at K, the last step running past it."""
+    if TAIL_K > 0:
+        return K - K % BLOCK_K
+    else:
+        return K
 
 
 @triton.jit
@@ -246,8 +280,8 @@ def store_down_rows(y, e, n, n_mask, pair, b_ptr, stride_be, pair_weights_ptr, y
 
 
 # The scale row stride and the up scales' address are not specialized on being 16-byte multiples:
-# scale rows stored padded for the TMA kernels (moe_gemv_tma.py) would otherwise compile these
-# kernels with other layouts, measured 4-8% slower (bench/NOTES-moe.md), instead of the code the
+# scale rows stored padded for the TMA loads would otherwise compile the pointer loads with other
+# layouts, measured 4-8% slower (bench/NOTES-moe.md), instead of the code the
 # checkpoint's 90-byte rows get.
 @triton.jit(do_not_specialize=["stride_sn", "su_ptr"])
 def moe_gate_up_half2_kernel(
@@ -258,44 +292,57 @@ def moe_gate_up_half2_kernel(
         out_ptr, act_scale, expert_ptr, N, K, top_k, alpha, limit,
         HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr = 64,
-        WIDE_X: tl.constexpr = False):
+        WIDE_X: tl.constexpr = False, wg_desc=None, wu_desc=None, sg_desc=None, su_desc=None,
+        TMA: tl.constexpr = False):
     """Program (pair, n-block): gate and up rows [BLOCK_N] of the pair's expert against the
     pair's token, clamped SwiGLU (gpt-oss), stored as f16 act * act_scale in pair order to
     out [pairs, N]. xq: int32 view of the f16 pair-ordered activations [T, K / 2]; wg / wu:
     int32 views of the codes with strides in 16-byte groups; expert_ptr: topk_ids flattened.
     K past the last whole BLOCK_K step goes in steps of TAIL_K (<= BLOCK_K): every decoded
-    code is used (gpt-oss's 2880 = 11 * 256 + 64). WIDE_X: _x_pairs' 16-byte activation loads."""
+    code is used (gpt-oss's 2880 = 11 * 256 + 64); TAIL_K 0: the last step runs past K.
+    WIDE_X: _x_pairs' 16-byte activation loads. TMA: the whole steps' words and scales read
+    through the tensor descriptors wg_desc / wu_desc (int32 codes [E, N, K / 8], boxes
+    [1, BLOCK_N, BLOCK_K / 8]) and sg_desc / su_desc (uint8 scales [E, N, K / 32], boxes
+    [1, BLOCK_N, BLOCK_K / 32]) of the same tensors; the tail steps through the pointers."""
     pair = tl.program_id(0)
     e = tl.load(expert_ptr + pair)
     if e < 0:
         return
     tok = (pair // top_k).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
     n_mask = n < N
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     acc_g = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     xq_row = xq_ptr + tok * (K // 2)
-    k_whole = K - K % BLOCK_K
+    k_whole = _whole_steps_end(K, BLOCK_K, TAIL_K)
     for k0 in tl.range(0, k_whole, BLOCK_K, num_stages=STAGES):
         x0, x1, x2, x3 = _x_pairs(xq_row, k0, K, BLOCK_K, WIDE_X)
-        acc_g = _chunk(acc_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
-                       stride_sn, stride_sk, INTERPRET, BLOCK_K)
-        acc_u = _chunk(acc_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
-                       stride_sn, stride_sk, INTERPRET, BLOCK_K)
-    tail_g = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
-    tail_u = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
-    for k0 in range(k_whole, K, TAIL_K):
-        x0, x1, x2, x3 = _x_pairs(xq_row, k0, K, TAIL_K, WIDE_X)
-        tail_g = _chunk(tail_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
-                        stride_sn, stride_sk, INTERPRET, TAIL_K)
-        tail_u = _chunk(tail_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
-                        stride_sn, stride_sk, INTERPRET, TAIL_K)
+        if TMA:
+            acc_g = _tma_chunk(acc_g, wg_desc, sg_desc, e, n0, k0, x0, x1, x2, x3, INTERPRET, BLOCK_N, BLOCK_K)
+            acc_u = _tma_chunk(acc_u, wu_desc, su_desc, e, n0, k0, x0, x1, x2, x3, INTERPRET, BLOCK_N, BLOCK_K)
+        else:
+            acc_g = _chunk(acc_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn,
+                           stride_se, stride_sn, stride_sk, INTERPRET, BLOCK_K)
+            acc_u = _chunk(acc_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn,
+                           stride_se, stride_sn, stride_sk, INTERPRET, BLOCK_K)
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    if TAIL_K > 0:
+        tail_g = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
+        tail_u = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
+        for k0 in range(k_whole, K, TAIL_K):
+            x0, x1, x2, x3 = _x_pairs(xq_row, k0, K, TAIL_K, WIDE_X)
+            tail_g = _chunk(tail_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn,
+                            stride_se, stride_sn, stride_sk, INTERPRET, TAIL_K)
+            tail_u = _chunk(tail_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn,
+                            stride_se, stride_sn, stride_sk, INTERPRET, TAIL_K)
+        g += tl.sum(tail_g, axis=1)
+        u += tl.sum(tail_u, axis=1)
     inv = tl.load(x_inv_scale_ptr + tok)
-    g = (tl.sum(acc_g, axis=1) + tl.sum(tail_g, axis=1)) * inv
-    u = (tl.sum(acc_u, axis=1) + tl.sum(tail_u, axis=1)) * inv
-    store_swiglu_rows(g, u, e, n, n_mask, pair, N, bg_ptr, bu_ptr, stride_be, stride_bn, out_ptr, act_scale, alpha,
-                      limit, HAS_BIAS)
+    store_swiglu_rows(g * inv, u * inv, e, n, n_mask, pair, N, bg_ptr, bu_ptr, stride_be, stride_bn, out_ptr,
+                      act_scale, alpha, limit, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["stride_sn"])
@@ -306,28 +353,36 @@ def moe_down_half2_kernel(
         b_ptr, stride_be,
         pair_weights_ptr, y_ptr, stride_yt, expert_ptr, N, K,
         HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr = 64):
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr = 64,
+        w_desc=None, s_desc=None, TMA: tl.constexpr = False):
     """Program (pair, n-block): y[pair, n] = pair weight * (down rows [BLOCK_N] . act + bias) in
     float32; aq: int32 view of the f16 pair-ordered GLU output [pairs, K / 2] scaled by
-    1 / a_inv_scale. TAIL_K as in moe_gate_up_half2_kernel."""
+    1 / a_inv_scale. TAIL_K and TMA (descriptors w_desc / s_desc) as in moe_gate_up_half2_kernel."""
     pair = tl.program_id(0)
     e = tl.load(expert_ptr + pair)
     if e < 0:
         return
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
     n_mask = n < N
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     aq_row = aq_ptr + pair.to(tl.int64) * (K // 2)
-    k_whole = K - K % BLOCK_K
+    k_whole = _whole_steps_end(K, BLOCK_K, TAIL_K)
     for k0 in tl.range(0, k_whole, BLOCK_K, num_stages=STAGES):
         x0, x1, x2, x3 = _x_pairs(aq_row, k0, K, BLOCK_K)
-        acc = _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
-                     stride_sn, stride_sk, INTERPRET, BLOCK_K)
-    tail = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
-    for k0 in range(k_whole, K, TAIL_K):
-        x0, x1, x2, x3 = _x_pairs(aq_row, k0, K, TAIL_K)
-        tail = _chunk(tail, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
-                      stride_sn, stride_sk, INTERPRET, TAIL_K)
-    y = (tl.sum(acc, axis=1) + tl.sum(tail, axis=1)) * a_inv_scale
-    store_down_rows(y, e, n, n_mask, pair, b_ptr, stride_be, pair_weights_ptr, y_ptr, stride_yt, HAS_BIAS)
+        if TMA:
+            acc = _tma_chunk(acc, w_desc, s_desc, e, n0, k0, x0, x1, x2, x3, INTERPRET, BLOCK_N, BLOCK_K)
+        else:
+            acc = _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
+                         stride_sn, stride_sk, INTERPRET, BLOCK_K)
+    y = tl.sum(acc, axis=1)
+    if TAIL_K > 0:
+        tail = tl.zeros((BLOCK_N, TAIL_K // 32), dtype=tl.float32)
+        for k0 in range(k_whole, K, TAIL_K):
+            x0, x1, x2, x3 = _x_pairs(aq_row, k0, K, TAIL_K)
+            tail = _chunk(tail, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
+                          stride_sn, stride_sk, INTERPRET, TAIL_K)
+        y += tl.sum(tail, axis=1)
+    store_down_rows(y * a_inv_scale, e, n, n_mask, pair, b_ptr, stride_be, pair_weights_ptr, y_ptr, stride_yt,
+                    HAS_BIAS)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..spec import ModelSpec
-from ..weights.formats import MXFP4_BLOCK, DenseWeight, Fp8Weight, Mxfp4Weight, aligned_scale_rows
+from ..weights.formats import MXFP4_BLOCK, DenseWeight, Fp8Weight, Mxfp4Weight, padded_scale_copy
 from ..weights.schema import LinearModule, Mxfp4Experts, TransposedExperts, expected_entries
 
 
@@ -265,13 +265,13 @@ def slice_value(name: str, value, s: Slice):
         return Fp8Weight(_narrow(value.weight, s.dim, s.start, s.end), _fp8_scale(name, value, s), value.block)
     if isinstance(value, Mxfp4Weight):
         if s.dim < nd - 1:  # experts or rows: blocks and scales share these leading dims
-            return aligned_scale_rows(Mxfp4Weight(_narrow(value.blocks, s.dim, s.start, s.end),
-                                                  _narrow(value.scales, s.dim, s.start, s.end)))
+            return Mxfp4Weight(_narrow(value.blocks, s.dim, s.start, s.end),
+                               padded_scale_copy(value.scales.narrow(s.dim, s.start, s.end - s.start)))
         if s.start % MXFP4_BLOCK or s.end % MXFP4_BLOCK:
             raise ShardingError(f"{name}: columns [{s.start}, {s.end}) do not fall on {MXFP4_BLOCK}-value MXFP4 groups")
         g0, g1 = s.start // MXFP4_BLOCK, s.end // MXFP4_BLOCK
-        return aligned_scale_rows(Mxfp4Weight(_narrow(value.blocks, nd - 1, g0, g1),
-                                              _narrow(value.scales, nd - 1, g0, g1)))
+        return Mxfp4Weight(_narrow(value.blocks, nd - 1, g0, g1),
+                           padded_scale_copy(value.scales.narrow(nd - 1, g0, g1 - g0)))
     raise ShardingError(f"{name}: cannot slice a {type(value).__name__}")
 
 

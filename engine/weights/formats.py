@@ -87,18 +87,22 @@ class Mxfp4Weight:
         return w.flatten(-2).to(dtype)
 
 
+def padded_scale_copy(scales: torch.Tensor, align: int = 16) -> torch.Tensor:
+    """A copy of MXFP4 scales [..., G] whose rows start every multiple of `align` bytes: a narrow
+    view of a zero-padded buffer, as the tensor-copy engine reads rows (kernels/moe_gemv_half2.py)."""
+    groups = scales.shape[-1]
+    padded = torch.zeros((*scales.shape[:-1], -(-groups // align) * align), dtype=scales.dtype, device=scales.device)
+    padded[..., :groups] = scales
+    return padded[..., :groups]
+
+
 def aligned_scale_rows(w: Mxfp4Weight, align: int = 16) -> Mxfp4Weight:
-    """The same weight with each scale row stored at a multiple of `align` bytes (a narrow view of
-    a padded buffer, the pad zero), as the tensor-copy engine reads rows (kernels/moe_gemv_tma.py);
-    the values and every reader through strides are unchanged. A weight already aligned comes back
-    as it is."""
+    """The same weight with its scales in padded_scale_copy's layout; the values and every reader
+    through strides are unchanged. A weight already aligned comes back as it is."""
     s = w.scales
     if all(st % align == 0 for st in s.stride()[:-1]) and s.stride(-1) == 1 and s.data_ptr() % align == 0:
         return w
-    groups = s.shape[-1]
-    padded = torch.zeros((*s.shape[:-1], -(-groups // align) * align), dtype=s.dtype, device=s.device)
-    padded[..., :groups] = s
-    return Mxfp4Weight(w.blocks, padded[..., :groups])
+    return Mxfp4Weight(w.blocks, padded_scale_copy(s, align))
 
 
 LinearWeight = DenseWeight | Fp8Weight | Mxfp4Weight

@@ -2,6 +2,7 @@
 without a GPU: run as a script (TRITON_INTERPRET unset) by test_hopper_compile.py. It proves
 each specialization lowers to a cubin, not that it computes the right thing (the interpreter
 tests and `pytest -m gpu` do that). Prints one line per kernel; exits 1 if any fails."""
+import inspect
 import sys
 
 import triton
@@ -16,7 +17,6 @@ from localchat.kernels.moe_align import _align_count_kernel, _align_scatter_kern
 from localchat.kernels.moe_gemm import moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel
 from localchat.kernels.moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
-from localchat.kernels.moe_gemv_tma import moe_down_tma_kernel, moe_gate_up_tma_kernel
 from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
 from localchat.kernels.moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel
 from localchat.kernels.moe_router import _router_kernel
@@ -38,6 +38,11 @@ def compile_kernel(fn, types, constexprs: dict, num_warps: int = 4, num_stages: 
     16-divisible, as the launcher specialises them at run time for the real shapes (what the
     SASS then shows)."""
     names = fn.arg_names
+    # as a launch leaves them: constexpr parameters at their defaults, and descriptor arguments the
+    # case does not type at the pointer-load form's None
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    descs = {n: None for n in names if n.endswith("_desc") and not types(n).startswith("tensordesc")}
+    constexprs = {**defaults, **descs, **constexprs}
     signature = {n: "constexpr" if n in constexprs else types(n) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if divisible and n not in constexprs and (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K"))}
@@ -185,10 +190,10 @@ PIPELINED = [
      dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3, TAIL_K=64, WIDE_X=wide), 1, 3)
     for wide in (False, True)
 ] + [
-    ("MXFP4 gate/up TMA n16 k512 w1, 3 stages", moe_gate_up_tma_kernel, _tma_types(HALF2, 16),
-     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=16, BLOCK_K=512, STAGES=3, TAIL_K=0, WIDE_X=True), 1, 3),
-    ("MXFP4 down TMA n32 k512 w1, 3 stages", moe_down_tma_kernel, _tma_types(HALF2_DOWN, 32),
-     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=32, BLOCK_K=512, STAGES=3, TAIL_K=0), 1, 3),
+    ("MXFP4 gate/up half2 TMA n16 k512 w1, 3 stages", moe_gate_up_half2_kernel, _tma_types(HALF2, 16),
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=16, BLOCK_K=512, STAGES=3, TAIL_K=0, WIDE_X=True, TMA=True), 1, 3),
+    ("MXFP4 down half2 TMA n32 k512 w1, 3 stages", moe_down_half2_kernel, _tma_types(HALF2_DOWN, 32),
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=32, BLOCK_K=512, STAGES=3, TAIL_K=0, TMA=True), 1, 3),
     ("FP8 gate/up row kernel n32 k256 w4, 3 stages", moe_gate_up_gemv_kernel, GEMV_FP8,
      dict(FORMAT=1, SBN=1, SBK=1, SORTED=False, ACT=0, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
           STAGES=3), 4, 3),
@@ -210,7 +215,7 @@ def main() -> int:
             assert "cvt.bf16.f16" not in kernel.asm["ptx"], "direct f16 -> bf16 conversion (F2F)"
             if pipelined:
                 assert "async_copy_global_to_local" in kernel.asm["ttgir"], "K loop not software-pipelined"
-            if "_desc" in " ".join(fn.arg_names):
+            if constexprs.get("TMA"):
                 assert "async_tma_copy_global_to_local" in kernel.asm["ttgir"], "descriptor loads not TMA copies"
             print(f"ok     {name}")
         except Exception as e:  # report every kernel, then fail
