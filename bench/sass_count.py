@@ -17,10 +17,12 @@ from collections import Counter
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from hopper_compile import HALF2, HALF2_DOWN, MMA, WORDS, WORDS_DOWN, compile_kernel  # noqa: E402
+from hopper_compile import (HALF2, HALF2_DOWN, MMA, PAIRS, PAIRS_DOWN, WORDS, WORDS_DOWN, _tma_types,  # noqa: E402
+                            compile_kernel)
 
 from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel  # noqa: E402
 from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel  # noqa: E402
+from localchat.kernels.moe_gemv_pairs import moe_down_pairs_kernel, moe_gate_up_pairs_kernel  # noqa: E402
 from localchat.kernels.moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -36,15 +38,22 @@ def sass(fn, types, constexprs: dict, num_warps: int, num_stages: int) -> str:
 
 
 def main_loop(text: str) -> list[str]:
-    """The instructions of the longest loop (a branch back to a lower address)."""
+    """The instructions of the longest innermost loop: a branch back to a lower address with no
+    other such branch between the two (the spans that barrier-wait retries and peeled stages
+    make across loops are left out)."""
     instrs = [(int(m.group(1), 16), m.group(2)) for m in
               re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;", text)]
-    best: list[str] = []
+    back = []  # (target, source) of each backward branch
     for addr, ins in instrs:
         m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", ins)
         if m and int(m.group(1), 16) < addr:
-            body = [i for a, i in instrs if int(m.group(1), 16) <= a <= addr]
-            best = max(best, body, key=len)
+            back.append((int(m.group(1), 16), addr))
+    best: list[str] = []
+    for lo, hi in back:
+        if any(lo < src < hi for _, src in back):
+            continue
+        body = [i for a, i in instrs if lo <= a <= hi]
+        best = max(best, body, key=len)
     return best
 
 
@@ -73,7 +82,17 @@ CASES = [  # name, kernel, types, constexprs, warps, stages, weight values per p
     (f"{kind} mma {bm}x{bn}x{bk} w{w}", fn, MMA,
      dict(HAS_BIAS=True, INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=3, **extra), w, 3, mats * bn * bk)
     for kind, fn, mats, extra in (("gate/up", moe_gate_up_mma_kernel, 2, dict(ACT=1)), ("down", moe_down_mma_kernel, 1, {}))
-    for bm, bn, bk, w in ((8, 16, 128, 1), (8, 32, 128, 1), (8, 64, 128, 4), (16, 128, 128, 4))]
+    for bm, bn, bk, w in ((8, 16, 128, 1), (8, 32, 128, 1), (8, 64, 128, 4), (16, 128, 128, 4))] + [
+    # TMA-fed packed-f16 kernels, one pair per program and two of one expert (moe_gemv_pairs.py;
+    # its two-pair loop, values counted once per pair: per value and pair)
+    (f"{kind} TMA n{bn} k512 w1, {pairs} pair{'s' if pairs > 1 else ''} a program", fn,
+     _tma_types(types, bn), dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=bn, BLOCK_K=512, STAGES=3, **extra), 1, 3,
+     mats * bn * 512 * pairs)
+    for kind, mats, bn, pairs, fn, types, extra in (
+        ("gate/up", 2, 16, 1, moe_gate_up_half2_kernel, HALF2, dict(TAIL_K=0, WIDE_X=True, TMA=True)),
+        ("gate/up", 2, 16, 2, moe_gate_up_pairs_kernel, PAIRS, dict(WIDE_X=True)),
+        ("down", 1, 16, 1, moe_down_half2_kernel, HALF2_DOWN, dict(TAIL_K=0, TMA=True)),
+        ("down", 1, 16, 2, moe_down_pairs_kernel, PAIRS_DOWN, {}))]
 
 if __name__ == "__main__":
     for name, fn, types, constexprs, warps, stages, values in CASES:

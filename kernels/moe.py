@@ -6,8 +6,9 @@ moe_align (group pairs by expert) -> moe_gate_up_kernel (gate and up GEMMs with 
 At decode sizes the row-streaming kernels (moe_gemv*.py) take one pair per program and skip
 moe_align; for MXFP4 experts with gpt-oss's clamped SwiGLU they run on packed f16 FMAs
 (moe_gemv_half2.py, one more small launch that scales the activations; from 4 tokens, where the
-stacks' rows are 16-byte aligned as the loader stores them, fed by the TMA engine). From two
-pairs per expert on, MXFP4 experts with bf16 activations run on tensor-core kernels that decode
+stacks' rows are 16-byte aligned as the loader stores them, fed by the TMA engine; with
+MoeConfig.block_m 2, two pairs of one expert a program, grouped by moe_align: moe_gemv_pairs.py).
+From two pairs per expert on, MXFP4 experts with bf16 activations run on tensor-core kernels that decode
 each expert's rows once for all its pairs (moe_mx_mma.py; the activations are first reordered by
 one copy).
 Routing (topk_weights, topk_ids) comes from kernels/moe_routing.py.
@@ -34,6 +35,7 @@ from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT
                        moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel)
 from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from .moe_gemv_half2 import act_scale_exp, moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
+from .moe_gemv_pairs import moe_down_pairs_kernel, moe_gate_up_pairs_kernel
 from .moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
 from .moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel
 
@@ -285,9 +287,12 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     t, h = x.shape
     k = topk_ids.shape[1]
     i = experts.intermediate_size
-    if not (_all_mxfp4(experts) and cfg.gemv and cfg.block_m == 1 and experts.activation == "swiglu_clamped"):
+    if not (_all_mxfp4(experts) and cfg.gemv and cfg.block_m in (1, 2) and experts.activation == "swiglu_clamped"):
         raise ValueError("mx_half2 needs MXFP4 experts with the clamped SwiGLU (gpt-oss) on the row kernels with "
-                         "one pair per program (gemv=True, block_m=1)")
+                         "one or two pairs per program (gemv=True, block_m 1 or 2)")
+    if cfg.block_m == 2 and not (cfg.tma and cfg.tma_down and cfg.tail_k == 0):
+        raise ValueError("mx_half2 with two pairs of an expert per program (block_m=2) reads through the TMA "
+                         "engine: it needs tma=True, tma_down=True and tail_k=0")
     if (x.dtype not in (torch.bfloat16, torch.float16) or cfg.block_k % 32 or cfg.tail_k % 32
             or cfg.down_launch[1] % 32 or cfg.tail_k < (0 if cfg.tma or cfg.tma_down else 32)):
         raise ValueError(f"mx_half2 needs bf16/fp16 activations, K steps and tail_k multiples of 32 (tail_k 0 only "
@@ -324,6 +329,21 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     if cfg.tma_down:
         w_desc, s_desc = _tma_descriptors(down_words, sd, down_n, down_k)
         down_descs = dict(w_desc=w_desc, s_desc=s_desc, TMA=True)
+    if cfg.block_m == 2:
+        sorted_ids, block_expert = moe_align(topk_ids, experts.num_experts, 2)
+        blocks = block_expert.numel()
+        moe_gate_up_pairs_kernel[(blocks, triton.cdiv(i, cfg.block_n))](
+            xq.view(torch.int32), x_inv_scale, wg_desc, wu_desc, sg_desc, su_desc, bg, bu, *bias_strides, act,
+            float(2.0 ** act_exp), sorted_ids, block_expert, num_pairs, i, h, k, float(experts.alpha),
+            float(experts.limit), HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, WIDE_X=cfg.wide_x, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+        moe_down_pairs_kernel[(blocks, triton.cdiv(h, down_n))](
+            act.view(torch.int32), float(2.0 ** -act_exp), w_desc, s_desc, bd, bd_stride,
+            topk_weights.reshape(-1).to(torch.float32), y, y.stride(0), sorted_ids, block_expert, num_pairs, h, i,
+            HAS_BIAS=has_down_bias, INTERPRET=interpret, BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages,
+            num_warps=down_warps, num_stages=down_stages)
+        return _combine(y, topk_ids, out)
     moe_gate_up_half2_kernel[(num_pairs, triton.cdiv(i, cfg.block_n))](
         xq.view(torch.int32), x_inv_scale, *gate_up_args, HAS_BIAS=experts.gate_bias is not None,
         INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,

@@ -47,6 +47,8 @@ class MoeExperts:
 
 @dataclass(frozen=True)
 class MoeConfig:
+    # pairs per program (row kernels: pairs of one expert, grouped by moe_align when above 1; the
+    # packed-f16 MXFP4 kernels take 1 or 2, 2 on the TMA loads only) or rows of a tensor-core tile
     block_m: int
     block_n: int
     block_k: int

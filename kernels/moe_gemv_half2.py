@@ -79,27 +79,39 @@ _DECODE = (
     "mov.b32 {{b0, b1}}, t; cvt.rn.f16x2.e4m3x2 p2, b0; cvt.rn.f16x2.e4m3x2 p3, b1;\n")
 
 
-def _group_asm() -> str:
-    """PTX of an elementwise op: $0 (f32) = sum over the 4 words $1..$4 of a group of their codes
-    times the f16x2 activation pairs $5..$20 (word j pair p: $(5 + 4 j + p)). Words 0-1 and 2-3
-    go to two packed accumulators (shorter dependency chains, at most 8 products per f16 lane),
+def _group_asm(pairs: int = 1) -> str:
+    """PTX of an elementwise op: $q (f32, q < pairs) = sum over the 4 words of a group (operands
+    $pairs..$pairs+3) of their codes times pair q's f16x2 activation pairs (word j pair p: operand
+    pairs + 4 + 16 q + 4 j + p). Each word is decoded once for every pair. Words 0-1 and 2-3 go to
+    two packed accumulators per pair (shorter dependency chains, at most 8 products per f16 lane),
     added once before the conversion to float32."""
-    lines = ["{", ".reg .b32 t, s, p0, p1, p2, p3, acc0, acc1;", ".reg .b16 b0, b1, lo, hi;",
+    def acc(q: int, half: int) -> str:
+        return f"acc{half}" if pairs == 1 else f"acc{q}_{half}"
+
+    accs = ", ".join(acc(q, half) for q in range(pairs) for half in range(2))
+    lines = ["{", f".reg .b32 t, s, p0, p1, p2, p3, {accs};", ".reg .b16 b0, b1, lo, hi;",
              ".reg .f32 flo, fhi;"]
     for j in range(4):
-        lines.append(_DECODE.format(w=f"${1 + j}"))
-        acc = f"acc{j // 2}"
-        for p in range(4):
-            x = f"${5 + 4 * j + p}"
-            lines.append(f"mul.rn.f16x2 {acc}, p{p}, {x};" if j % 2 == 0 and p == 0 else
-                         f"fma.rn.f16x2 {acc}, p{p}, {x}, {acc};")
-    lines += ["add.rn.f16x2 acc0, acc0, acc1;", "mov.b32 {lo, hi}, acc0;", "cvt.f32.f16 flo, lo;",
-              "cvt.f32.f16 fhi, hi;", "add.f32 $0, flo, fhi;", "}"]
-    return "\n".join(lines)
+        lines.append(_DECODE.format(w=f"${pairs + j}"))
+        for q in range(pairs):
+            a = acc(q, j // 2)
+            for p in range(4):
+                x = f"${pairs + 4 + 16 * q + 4 * j + p}"
+                lines.append(f"mul.rn.f16x2 {a}, p{p}, {x};" if j % 2 == 0 and p == 0 else
+                             f"fma.rn.f16x2 {a}, p{p}, {x}, {a};")
+    for q in range(pairs):
+        lines += [f"add.rn.f16x2 {acc(q, 0)}, {acc(q, 0)}, {acc(q, 1)};", f"mov.b32 {{lo, hi}}, {acc(q, 0)};",
+                  "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", f"add.f32 ${q}, flo, fhi;"]
+    return "\n".join(lines + ["}"])
+
+
+def group_constraints(pairs: int = 1) -> str:
+    """The operand constraints of _group_asm(pairs): pairs float32 outputs, 4 + 16 pairs int32 inputs."""
+    return ",".join(["=f"] * pairs + ["r"] * (4 + 16 * pairs))
 
 
 _GROUP_ASM = tl.constexpr(_group_asm())
-_GROUP_CONSTRAINTS = tl.constexpr("=f" + ",r" * 20)
+_GROUP_CONSTRAINTS = tl.constexpr(group_constraints())
 
 
 @triton.jit
@@ -157,14 +169,22 @@ def _split4(t):
 
 
 @triton.jit
+def _pair_slots(x0, x1, x2, x3):
+    """One pair's activation pairs (_x_pairs: slot p of every word of a group, [1, G, 4]) -> the
+    16 operands of _group_asm, word j slot p at 4 j + p."""
+    x00, x10, x20, x30 = _split4(x0)  # x{word}{slot}
+    x01, x11, x21, x31 = _split4(x1)
+    x02, x12, x22, x32 = _split4(x2)
+    x03, x13, x23, x33 = _split4(x3)
+    return x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33
+
+
+@triton.jit
 def _group_dot(w, x0, x1, x2, x3, INTERPRET: tl.constexpr):
     """w int32 [BN, G, 4] words of 8 codes; x0..x3 int32 [1, G, 4] the f16x2 activation pairs of
     each word -> float32 [BN, G]: per group, sum of code value * 2^-6 * activation."""
     w0, w1, w2, w3 = _split4(w)
-    x00, x10, x20, x30 = _split4(x0)  # x{word}{pair}
-    x01, x11, x21, x31 = _split4(x1)
-    x02, x12, x22, x32 = _split4(x2)
-    x03, x13, x23, x33 = _split4(x3)
+    x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33 = _pair_slots(x0, x1, x2, x3)
     if INTERPRET:
         return (_word_ref(w0, x00, x01, x02, x03) + _word_ref(w1, x10, x11, x12, x13)
                 + _word_ref(w2, x20, x21, x22, x23) + _word_ref(w3, x30, x31, x32, x33))
@@ -192,14 +212,21 @@ def _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, st
 
 
 @triton.jit
-def _tma_chunk(acc, w_desc, s_desc, e, n0, k0, x0, x1, x2, x3, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """_scaled_sums of this K chunk of BLOCK_N rows from n0, read through the tensor descriptors
-    (past K or N: the boxes' zero fill)."""
+def tma_words(w_desc, s_desc, e, n0, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This K chunk of BLOCK_N rows from n0 of expert e through the tensor descriptors (past K or
+    N: the boxes' zero fill) -> (words int32 [BLOCK_N, G, 4], E8M0 scales [BLOCK_N, G])."""
     G: tl.constexpr = BLOCK_K // 32
     e = e.to(tl.int32)  # descriptor coordinates are 32-bit; expert ids may come as int64
     w = tl.reshape(w_desc.load([e, n0, k0 // 8]), (BLOCK_N, G, 4))
     scale = tl.reshape(s_desc.load([e, n0, k0 // 32]), (BLOCK_N, G))
+    return w, scale
+
+
+@triton.jit
+def _tma_chunk(acc, w_desc, s_desc, e, n0, k0, x0, x1, x2, x3, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """_scaled_sums of this K chunk of BLOCK_N rows from n0, read through the tensor descriptors."""
+    w, scale = tma_words(w_desc, s_desc, e, n0, k0, BLOCK_N, BLOCK_K)
     return _scaled_sums(acc, w, scale, x0, x1, x2, x3, INTERPRET)
 
 

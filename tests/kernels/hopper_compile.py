@@ -1,7 +1,10 @@
 """Compiles the decode-path Triton kernels for sm_90 (H100 / H200) with Triton's bundled ptxas,
 without a GPU: run as a script (TRITON_INTERPRET unset) by test_hopper_compile.py. It proves
 each specialization lowers to a cubin, not that it computes the right thing (the interpreter
-tests and `pytest -m gpu` do that). Prints one line per kernel; exits 1 if any fails."""
+tests and `pytest -m gpu` do that). Prints one line per kernel; exits 1 if any fails. Every
+constexpr without a default must be given by its case. Run under another Triton release (for
+example `pip install triton==3.6.0` in a second environment, the release the H200 figures in
+BENCHMARKS.md come from) it checks that release's compile too."""
 import inspect
 import sys
 
@@ -17,6 +20,7 @@ from localchat.kernels.moe_align import _align_count_kernel, _align_scatter_kern
 from localchat.kernels.moe_gemm import moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel
 from localchat.kernels.moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
+from localchat.kernels.moe_gemv_pairs import moe_down_pairs_kernel, moe_gate_up_pairs_kernel
 from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
 from localchat.kernels.moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel
 from localchat.kernels.moe_router import _router_kernel
@@ -42,6 +46,8 @@ def compile_kernel(fn, types, constexprs: dict, num_warps: int = 4, num_stages: 
     # case does not type at the pointer-load form's None
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
     descs = {n: None for n in names if n.endswith("_desc") and not types(n).startswith("tensordesc")}
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in defaults and p.name not in constexprs]
+    assert not missing, f"constexpr parameters without a value in the case: {missing}"
     constexprs = {**defaults, **descs, **constexprs}
     signature = {n: "constexpr" if n in constexprs else types(n) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -64,6 +70,10 @@ HALF2 = _types({"xq_ptr": "*i32", "x_inv_scale_ptr": "*fp32", "aq_ptr": "*i32", 
                 "act_scale": "fp32", "a_inv_scale": "fp32", "alpha": "fp32", "limit": "fp32"})
 HALF2_DOWN = _types({**{n: HALF2(n) for n in ("aq_ptr", "a_inv_scale", "w_ptr", "s_ptr", "b_ptr", "expert_ptr",
                                               "pair_weights_ptr")}, "y_ptr": "*fp32"})
+PAIRS = _types({**{n: HALF2(n) for n in ("xq_ptr", "x_inv_scale_ptr", "bg_ptr", "bu_ptr", "out_ptr", "act_scale",
+                                         "alpha", "limit")}, "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"})
+PAIRS_DOWN = _types({**{n: HALF2_DOWN(n) for n in ("aq_ptr", "a_inv_scale", "b_ptr", "pair_weights_ptr", "y_ptr")},
+                     "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"})
 TILE_FP8 = _types({"x_ptr": "*bf16", "a_ptr": "*bf16", "wg_ptr": "*fp8e4nv", "wu_ptr": "*fp8e4nv",
                    "w_ptr": "*fp8e4nv", "sg_ptr": "*fp32", "su_ptr": "*fp32", "s_ptr": "*fp32", "bg_ptr": "*bf16",
                    "bu_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ids_ptr": "*i32",
@@ -120,7 +130,7 @@ CASES += [
      _types({"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "sel_bias_ptr": "*fp32", "partial_ptr": "*fp32",
              "arrivals_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i32", "scaling": "fp32"}),
      dict(TOP_K=8, K_PAD=8, E_PAD=128, S_PAD=64, NUM_SPLITS=64, BLOCK_T=1, BLOCK_K=64, SCORING=0, HAS_BIAS=False,
-          HAS_SEL_BIAS=True, RENORMALIZE=True, ROUND=False), 2, 1),
+          HAS_SEL_BIAS=True, RENORMALIZE=True, ROUND=False, HAS_EXTRA=True), 2, 1),
     # the chunked grouping as launched for 8192 pairs over 128 experts, BLOCK_M 64 (_align_by_chunks)
     ("MoE align counts per chunk", _align_count_kernel, _types({"ids_ptr": "*i32", "counts_ptr": "*i32"}),
      dict(E_PAD=128, CHUNK=64, SUB=64), 4, 1),
@@ -194,6 +204,11 @@ PIPELINED = [
      dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=16, BLOCK_K=512, STAGES=3, TAIL_K=0, WIDE_X=True, TMA=True), 1, 3),
     ("MXFP4 down half2 TMA n32 k512 w1, 3 stages", moe_down_half2_kernel, _tma_types(HALF2_DOWN, 32),
      dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=32, BLOCK_K=512, STAGES=3, TAIL_K=0, TMA=True), 1, 3),
+    # two pairs of an expert per program: a loop for two pairs and one for one, both on TMA copies
+    ("MXFP4 gate/up two pairs TMA n16 k512 w1, 3 stages", moe_gate_up_pairs_kernel, _tma_types(PAIRS, 16),
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=16, BLOCK_K=512, STAGES=3, WIDE_X=True), 1, 3),
+    ("MXFP4 down two pairs TMA n32 k512 w1, 3 stages", moe_down_pairs_kernel, _tma_types(PAIRS_DOWN, 32),
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=32, BLOCK_K=512, STAGES=3), 1, 3),
     ("FP8 gate/up row kernel n32 k256 w4, 3 stages", moe_gate_up_gemv_kernel, GEMV_FP8,
      dict(FORMAT=1, SBN=1, SBK=1, SORTED=False, ACT=0, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
           STAGES=3), 4, 3),
@@ -215,7 +230,7 @@ def main() -> int:
             assert "cvt.bf16.f16" not in kernel.asm["ptx"], "direct f16 -> bf16 conversion (F2F)"
             if pipelined:
                 assert "async_copy_global_to_local" in kernel.asm["ttgir"], "K loop not software-pipelined"
-            if constexprs.get("TMA"):
+            if any(str(types(n)).startswith("tensordesc") for n in fn.arg_names):
                 assert "async_tma_copy_global_to_local" in kernel.asm["ttgir"], "descriptor loads not TMA copies"
             print(f"ok     {name}")
         except Exception as e:  # report every kernel, then fail

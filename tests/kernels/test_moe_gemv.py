@@ -156,6 +156,29 @@ def test_gpt_oss_mxfp4_tma(dtype, block_n, tail_k, wide_x, tma_down, down_tile):
         assert rel_err(out, plain) < 1e-5
 
 
+@pytest.mark.parametrize("dtype,block_n,down_tile,wide_x", [(torch.bfloat16, 16, (32, 512, 1, 2), True),
+                                                          (torch.float16, 32, None, False)])
+def test_gpt_oss_mxfp4_two_pairs_per_program(dtype, block_n, down_tile, wide_x):
+    # two pairs of one expert per program (moe_align blocks of two), each word decoded once for
+    # both. Routing by hand: expert 0 has three pairs (a block of two and one of one), expert 1
+    # two, experts 2 and 3 one each, one pair expert -1 (another rank's); K = H = 544 (one whole
+    # 512-wide step and one on the zero fill), I = 96 (no whole step); tokens far apart in magnitude.
+    e, k, h, i = 4, 2, 544, 96
+    experts = _aligned(_gpt_oss_case(e, h, i, scale_lo=110, scale_hi=131))
+    ids = torch.tensor([[0, 1], [0, 2], [0, -1], [3, 1]], dtype=torch.int32, device=DEV)
+    w = torch.softmax(torch.randn(4, k, device=DEV), dim=1)
+    x = (torch.randn(4, h, device=DEV, dtype=dtype)
+         * torch.tensor([[1e-3], [1.0], [300.0], [2.0]], device=DEV).to(dtype))
+    cfg = MoeConfig(2, block_n, 512, 1, 2, gemv=True, mx_half2=True, tma=True, tma_down=True, tail_k=0,
+                    wide_x=wide_x, down_tile=down_tile)
+    out = fused_moe(x, experts, w, ids, config=cfg)
+    ref = fused_moe_ref(x, experts, w, ids)
+    for row in range(4):
+        assert rel_err(out[row], ref[row]) < TOL[dtype]
+    # the same sums in the same order as one pair per program
+    assert torch.equal(out, fused_moe(x, experts, w, ids, config=replace(cfg, block_m=1)))
+
+
 def test_tma_kernels_refuse_unaligned_scales_and_short_steps():
     e, k, h, i, t = 2, 2, 544, 96, 1
     experts = _gpt_oss_case(e, h, i)  # scale rows of 17 and 3 bytes
@@ -247,8 +270,10 @@ def _one_token_gpt_oss(dtype):
 
 def test_half2_rejects_what_it_cannot_run():
     gpt, x, w, ids = _one_token_gpt_oss(torch.bfloat16)
-    with pytest.raises(ValueError, match="one pair per program"):
-        fused_moe(x, gpt, w, ids, config=MoeConfig(2, 16, 64, 1, 1, gemv=True, mx_half2=True))
+    with pytest.raises(ValueError, match="one or two pairs per program"):
+        fused_moe(x, gpt, w, ids, config=MoeConfig(4, 16, 64, 1, 1, gemv=True, mx_half2=True))
+    with pytest.raises(ValueError, match="TMA engine"):  # two pairs per program only on the TMA loads
+        fused_moe(x, gpt, w, ids, config=MoeConfig(2, 16, 512, 1, 1, gemv=True, mx_half2=True, tma=True, tail_k=0))
     silu = MoeExperts(gpt.gate, gpt.up, gpt.down, activation="silu_glu")
     with pytest.raises(ValueError, match="clamped SwiGLU"):
         fused_moe(x, silu, w, ids, config=MoeConfig(1, 16, 64, 1, 1, gemv=True, mx_half2=True))
@@ -311,6 +336,10 @@ def test_new_row_kernels_reject_bad_tiles():
     (1, MoeConfig(1, 16, 512, 1, 3, gemv=True, mx_half2=True, tma=True, wide_x=True, down_tile=(8, 256, 1, 3))),
     (1, MoeConfig(1, 16, 256, 1, 3, gemv=True, mx_half2=True, wide_x=True, down_tile=(8, 256, 1, 3))),
     (32, MoeConfig(1, 16, 512, 1, 3, gemv=True, mx_half2=True, tma=True, tma_down=True, tail_k=0, wide_x=True)),
+    (32, MoeConfig(2, 16, 512, 1, 3, gemv=True, mx_half2=True, tma=True, tma_down=True, tail_k=0, wide_x=True,
+                   down_tile=(32, 512, 1, 3))),
+    (8, MoeConfig(2, 8, 512, 1, 3, gemv=True, mx_half2=True, tma=True, tma_down=True, tail_k=0, wide_x=True,
+                  down_tile=(16, 512, 1, 3))),
 ])
 def test_gpt_oss_row_kernels_gpu(t, cfg):
     e, k, h, i = 128, 4, 2880, 2880
@@ -321,6 +350,7 @@ def test_gpt_oss_row_kernels_gpu(t, cfg):
     w, ids = route_gpt_oss(torch.randn(t, e, device="cuda"), k)
     err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
     kind = ("tma" if cfg.tma or cfg.tma_down else "half2") if cfg.mx_half2 else "words"
+    kind += ", two pairs a program" if cfg.block_m == 2 and cfg.mx_half2 else ""
     print(f"\ngpt-oss-120b {kind} T={t} {cfg}: rel err {err:.1e}")
     assert err < TOL[torch.bfloat16]
 
@@ -340,6 +370,14 @@ def test_half2_small_shapes_gpu():
         ref = fused_moe_ref(x.to(torch.bfloat16), experts, w, ids)
         for row in range(t):
             assert rel_err(out[row], ref[row]) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_two_pairs_per_program_small_shapes_gpu():
+    # the interpreter cases compiled: both loops of moe_gemv_pairs.py, the last step on the
+    # boxes' zero fill, a -1 expert; bit-identical to one pair per program on the GPU too
+    test_gpt_oss_mxfp4_two_pairs_per_program(torch.bfloat16, 16, (32, 512, 1, 2), True)
+    test_gpt_oss_mxfp4_two_pairs_per_program(torch.float16, 32, None, False)
 
 
 @pytest.mark.gpu
