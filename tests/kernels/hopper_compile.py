@@ -161,6 +161,12 @@ CASES += [
                "qk_scale": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64"}),
      dict(G=12, G_PAD=16, D=128, BLOCK_N=64, NUM_SPLITS=64, HAS_WINDOW=False, HAS_SINKS=False, ROTARY=True, R=64),
      4, 2),
+    ("decode attention split, key tiles requested ahead, gpt-oss sliding window", _decode_split_kernel,
+     _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "sinks_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
+            | {"tables_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32",
+               "qk_scale": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64"}),
+     dict(G=8, G_PAD=16, D=64, BLOCK_N=64, NUM_SPLITS=16, HAS_WINDOW=True, HAS_SINKS=True, ROTARY=True, R=64,
+          PREFETCH=True), 4, 1),
     ("FP8 activations per token and 128 columns", _quant_groups_kernel,
      _types({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}), dict(BLOCK_G=8), 4, 1),
     ("FP8 activations per token", _quant_rows_kernel,
