@@ -211,7 +211,7 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int
                        num_sms: int = MEASURED_SMS, head_dim: int = 64) -> int:
     """Up to ~8 (batch x kv head x split) programs per SM at head_dim 64, ~4 at 128 (rounded down:
     about as many as fit in shared memory at once), at most 64 splits and one per key tile.
-    Measured on an H200 with the KV cache out of L2 and two key tiles in flight
+    Measured on an H200 with the KV cache out of L2 and the key loop in two pipeline stages
     (bench/bench_attention_splits.py): at batch 8, 8K keys, 16 splits ran 42.5 us against 47.8
     us for 9 (gpt-oss, head_dim 64); at batch 1, GLM-4.5V (head_dim 128) ran 64 splits in 17.2 us
     against 19.9 us for 33; at batch 32, ~10 programs per SM (5 splits) ran 10-15% slower than
