@@ -7,10 +7,10 @@ At decode sizes the row-streaming kernels (moe_gemv*.py) take one pair per progr
 moe_align; for MXFP4 experts with gpt-oss's clamped SwiGLU they run on packed f16 FMAs
 (moe_gemv_half2.py, one more small launch that scales the activations; from 4 tokens, where the
 stacks' rows are 16-byte aligned as the loader stores them, fed by the TMA engine; with
-MoeConfig.block_m 2, two pairs of one expert a program, grouped by moe_align: moe_gemv_pairs.py).
-From two pairs per expert on, MXFP4 experts with bf16 activations run on tensor-core kernels that decode
-each expert's rows once for all its pairs (moe_mx_mma.py; the activations are first reordered by
-one copy).
+MoeConfig.block_m 2, two pairs of one expert a program, grouped by moe_align:
+moe_gemv_pairs.py). From two pairs per expert on, MXFP4 experts with bf16 activations run on
+tensor-core kernels that decode each expert's rows once for all its pairs (moe_mx_mma.py; the
+activations are first reordered by one copy).
 Routing (topk_weights, topk_ids) comes from kernels/moe_routing.py.
 
 Weights stay in their checkpoint format (kernels/moe_gemm.py lists the four). The expert stacks
