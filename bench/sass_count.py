@@ -1,6 +1,6 @@
 """Instructions per weight value in the main loop of the MXFP4 MoE kernels (word decode, packed
 f16, tensor-core tiles), offline: compiles for sm_90 with Triton's bundled ptxas (no GPU needed),
-disassembles with its cuobjdump, finds the longest backward-branch loop and divides its
+disassembles with its cuobjdump, finds the longest innermost loop and divides its
 instruction count by the weight values one thread handles per trip (a tensor-core tile's values
 serve all of its pairs). At 32 tokens gpt-oss-120b's MoE is bound by instruction issue
 (bench/NOTES-moe.md), so this count is what its time follows there.
@@ -8,59 +8,17 @@ serve all of its pairs). At 32 tokens gpt-oss-120b's MoE is bound by instruction
     python bench/sass_count.py            (with TRITON_INTERPRET unset)
 """
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
-
-import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
 from hopper_compile import (HALF2, HALF2_DOWN, MMA, PAIRS, PAIRS_DOWN, WORDS, WORDS_DOWN, _tma_types,  # noqa: E402
-                            compile_kernel)
+                            main_loop, opcode, sass)
 
 from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel  # noqa: E402
 from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel  # noqa: E402
 from localchat.kernels.moe_gemv_pairs import moe_down_pairs_kernel, moe_gate_up_pairs_kernel  # noqa: E402
 from localchat.kernels.moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel  # noqa: E402
-
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
-def sass(fn, types, constexprs: dict, num_warps: int, num_stages: int) -> str:
-    """SASS of one specialization; pointers and strides marked 16-divisible, as at run time."""
-    kernel = compile_kernel(fn, types, constexprs, num_warps, num_stages, divisible=True)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-
-
-def main_loop(text: str) -> list[str]:
-    """The instructions of the longest innermost loop: a branch back to a lower address with no
-    other such branch between the two (the spans that barrier-wait retries and peeled stages
-    make across loops are left out)."""
-    instrs = [(int(m.group(1), 16), m.group(2)) for m in
-              re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;", text)]
-    back = []  # (target, source) of each backward branch
-    for addr, ins in instrs:
-        m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", ins)
-        if m and int(m.group(1), 16) < addr:
-            back.append((int(m.group(1), 16), addr))
-    best: list[str] = []
-    for lo, hi in back:
-        if any(lo < src < hi for _, src in back):
-            continue
-        body = [i for a, i in instrs if lo <= a <= hi]
-        best = max(best, body, key=len)
-    return best
-
-
-def opcode(ins: str) -> str:
-    parts = ins.split()
-    return (parts[1] if parts[0].startswith("@") else parts[0]).split(".")[0]
-
 
 CASES = [  # name, kernel, types, constexprs, warps, stages, weight values per program per trip
     ("gate/up words n8 k256 w1 (1 token)", moe_gate_up_words_kernel, WORDS,

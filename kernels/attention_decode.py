@@ -65,6 +65,42 @@ def _tile_kv(k_ptr, v_ptr, kvh, page, j0, loop_end, block_size, stride_kb, strid
 
 
 @triton.jit
+def _tile_kv_ahead(k_ptr, v_ptr, kvh, page, j0, loop_end, block_size, stride_kb, stride_ks, stride_kh, stride_vb,
+                   stride_vs, stride_vh, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_tile_kv for a tile requested a trip ahead (the prefetching loop): 16-bit caches come as
+    int32 words [BLOCK_N, D / 2] of two values each, to be carried to the next trip as loaded and
+    split there (_kv_from_ahead). Carried as 16-bit values, the compiler repacks them into
+    registers right after the load, in the same trip, which then waits for the load there (sm_90
+    SASS: bench/NOTES-attention.md). Other dtypes as _tile_kv."""
+    if k_ptr.dtype.element_ty.primitive_bitwidth == 16:
+        j = j0 + tl.arange(0, BLOCK_N)
+        j_mask = j < loop_end
+        slot = j % block_size
+        w = tl.arange(0, D // 2)
+        k_words = k_ptr.to(tl.pointer_type(tl.int32))
+        v_words = v_ptr.to(tl.pointer_type(tl.int32))
+        k_row = (page * stride_kb + slot * stride_ks + kvh * stride_kh) // 2
+        v_row = (page * stride_vb + slot * stride_vs + kvh * stride_vh) // 2
+        k = tl.load(k_words + k_row[:, None] + w[None, :], mask=j_mask[:, None], other=0)
+        v = tl.load(v_words + v_row[:, None] + w[None, :], mask=j_mask[:, None], other=0)
+        return k, v
+    else:
+        return _tile_kv(k_ptr, v_ptr, kvh, page, j0, loop_end, block_size, stride_kb, stride_ks, stride_kh,
+                        stride_vb, stride_vs, stride_vh, tl.arange(0, D), BLOCK_N)
+
+
+@triton.jit
+def _kv_from_ahead(k, v, dtype: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_tile_kv_ahead's keys and values -> [BLOCK_N, D] each in the cache's dtype."""
+    if dtype.primitive_bitwidth == 16:
+        k = tl.reshape(tl.join((k & 0xFFFF).to(tl.int16).to(dtype, bitcast=True),
+                               (k >> 16).to(tl.int16).to(dtype, bitcast=True)), (BLOCK_N, D))
+        v = tl.reshape(tl.join((v & 0xFFFF).to(tl.int16).to(dtype, bitcast=True),
+                               (v >> 16).to(tl.int16).to(dtype, bitcast=True)), (BLOCK_N, D))
+    return k, v
+
+
+@triton.jit
 def _attend_tile(q, k, v, j_mask, m, l, acc):
     """Online softmax over one key tile: q [G_PAD, D] (scaled, log2 domain), k / v [BLOCK_N, D],
     j_mask [BLOCK_N] the real keys; running max m, sum l [G_PAD] and acc [G_PAD, D] -> updated."""
@@ -128,13 +164,14 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
         # one shared-memory buffer, behind that tile's page loads; launched with num_stages=1, the
         # compiler leaves this loop as written)
         first_pages = _tile_pages(table_row, start, loop_end, block_size, BLOCK_N)
-        k_next, v_next = _tile_kv(k_ptr, v_ptr, kvh, first_pages, start, loop_end, block_size, stride_kb, stride_ks,
-                                  stride_kh, stride_vb, stride_vs, stride_vh, d, BLOCK_N)
+        k_next, v_next = _tile_kv_ahead(k_ptr, v_ptr, kvh, first_pages, start, loop_end, block_size, stride_kb,
+                                        stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, D, BLOCK_N)
         page_next = _tile_pages(table_row, start + BLOCK_N, loop_end, block_size, BLOCK_N)
         for j0 in range(start, loop_end, BLOCK_N):
-            k, v = k_next, v_next
-            k_next, v_next = _tile_kv(k_ptr, v_ptr, kvh, page_next, j0 + BLOCK_N, loop_end, block_size, stride_kb,
-                                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, d, BLOCK_N)
+            k, v = _kv_from_ahead(k_next, v_next, k_ptr.dtype.element_ty, D, BLOCK_N)
+            k_next, v_next = _tile_kv_ahead(k_ptr, v_ptr, kvh, page_next, j0 + BLOCK_N, loop_end, block_size,
+                                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, D,
+                                            BLOCK_N)
             page_next = _tile_pages(table_row, j0 + 2 * BLOCK_N, loop_end, block_size, BLOCK_N)
             m, l, acc = _attend_tile(q, k, v, j0 + tl.arange(0, BLOCK_N) < loop_end, m, l, acc)
     else:

@@ -6,7 +6,11 @@ constexpr without a default must be given by its case. Run under another Triton 
 example `pip install triton==3.6.0` in a second environment, the release the H200 figures in
 BENCHMARKS.md come from) it checks that release's compile too."""
 import inspect
+import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -56,6 +60,76 @@ def compile_kernel(fn, types, constexprs: dict, num_warps: int = 4, num_stages: 
     kernel = triton.compile(src, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages))
     assert len(kernel.asm.get("cubin", b"")) > 0, "no cubin"
     return kernel
+
+
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def disassemble(kernel) -> str:
+    """The SASS of a compiled kernel (Triton's bundled cuobjdump)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass(fn, types, constexprs: dict, num_warps: int, num_stages: int) -> str:
+    """SASS of one specialization; pointers and strides marked 16-divisible, as at run time."""
+    return disassemble(compile_kernel(fn, types, constexprs, num_warps, num_stages, divisible=True))
+
+
+def main_loop(text: str) -> list[str]:
+    """The instructions of the longest innermost loop: a branch back to a lower address with no
+    other such branch between the two (the spans that barrier-wait retries and peeled stages
+    make across loops are left out)."""
+    instrs = [(int(m.group(1), 16), m.group(2)) for m in
+              re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;", text)]
+    back = []  # (target, source) of each backward branch
+    for addr, ins in instrs:
+        m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) < addr:
+            back.append((int(m.group(1), 16), addr))
+    best: list[str] = []
+    for lo, hi in back:
+        if any(lo < src < hi for _, src in back):
+            continue
+        body = [i for a, i in instrs if lo <= a <= hi]
+        best = max(best, body, key=len)
+    return best
+
+
+def opcode(ins: str) -> str:
+    parts = ins.split()
+    return (parts[1] if parts[0].startswith("@") else parts[0]).split(".")[0]
+
+
+def _operands(ins: str) -> tuple[str, list[str]]:
+    """(destination, sources) of one SASS instruction, predicate left out."""
+    parts = ins.replace(",", " ").split()
+    parts = parts[1:] if parts[0].startswith("@") else parts
+    return (parts[1] if len(parts) > 1 else ""), parts[2:]
+
+
+def loads_waited_in_trip(loop: list[str]) -> int:
+    """How many global loads of a loop body have their result read before the trip ends (the
+    warp then waits for them in the trip that issued them); a vector load's later registers count."""
+    waited = 0
+    for i, ins in enumerate(loop):
+        if opcode(ins) != "LDG":
+            continue
+        dst, _ = _operands(ins)
+        m = re.fullmatch(r"R(\d+)", dst)
+        op = ins.split()[1] if ins.startswith("@") else ins.split()[0]  # e.g. LDG.E.128 (not the .64 address)
+        width = 4 if op.endswith(".128") else 2 if op.endswith(".64") else 1
+        regs = {f"R{int(m.group(1)) + r}" for r in range(width)} if m else {dst}
+        for later in loop[i + 1:]:
+            ldst, srcs = _operands(later)
+            reads = srcs + ([ldst] if opcode(later) in ("STS", "STG", "ST", "STL") else [])
+            if any(src.split(".")[0].lstrip("-|") in regs for src in reads):
+                waited += 1
+                break
+    return waited
 
 
 WORDS = _types({"x_ptr": "*bf16", "a_ptr": "*bf16", "bg_ptr": "*bf16", "bu_ptr": "*bf16", "b_ptr": "*bf16",
@@ -161,12 +235,6 @@ CASES += [
                "qk_scale": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64"}),
      dict(G=12, G_PAD=16, D=128, BLOCK_N=64, NUM_SPLITS=64, HAS_WINDOW=False, HAS_SINKS=False, ROTARY=True, R=64),
      4, 2),
-    ("decode attention split, key tiles requested ahead, gpt-oss sliding window", _decode_split_kernel,
-     _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "sinks_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
-            | {"tables_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32",
-               "qk_scale": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64"}),
-     dict(G=8, G_PAD=16, D=64, BLOCK_N=64, NUM_SPLITS=16, HAS_WINDOW=True, HAS_SINKS=True, ROTARY=True, R=64,
-          PREFETCH=True), 4, 1),
     ("FP8 activations per token and 128 columns", _quant_groups_kernel,
      _types({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}), dict(BLOCK_G=8), 4, 1),
     ("FP8 activations per token", _quant_rows_kernel,
@@ -224,20 +292,38 @@ PIPELINED = [
 ]
 
 
+# Loops that request their next tiles by hand (no compiler pipeline): compiled as launched (aligned
+# strides, vector loads), every global load of the loop must be first read in the next trip; a
+# load read in the trip that issues it makes the warp wait for it there.
+AHEAD = [
+    ("decode attention split, key tiles requested ahead, gpt-oss sliding window", _decode_split_kernel,
+     _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "sinks_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
+            | {"tables_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32",
+               "qk_scale": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64"}),
+     dict(G=8, G_PAD=16, D=64, BLOCK_N=64, NUM_SPLITS=16, HAS_WINDOW=True, HAS_SINKS=True, ROTARY=True, R=64,
+          PREFETCH=True), 4, 1),
+]
+
+
 def main() -> int:
     failed = 0
-    for pipelined, (name, fn, types, constexprs, warps, stages) in ([(False, c) for c in CASES]
-                                                                     + [(True, c) for c in PIPELINED]):
+    for kind, (name, fn, types, constexprs, warps, stages) in ([("plain", c) for c in CASES]
+                                                               + [("pipelined", c) for c in PIPELINED]
+                                                               + [("ahead", c) for c in AHEAD]):
         try:
-            # pipelined cases as launched: aligned pointers and strides make the loads vectorizable
-            kernel = compile_kernel(fn, types, constexprs, warps, stages, divisible=pipelined)
+            # pipelined and prefetching cases as launched: aligned pointers and strides make the
+            # loads vectorizable
+            kernel = compile_kernel(fn, types, constexprs, warps, stages, divisible=kind != "plain")
             # f16 -> bf16 in one step compiles to F2F, a slow conversion instruction: at one per
             # weight value it bound the FP8 tensor-core tiles (bench/NOTES-moe.md)
             assert "cvt.bf16.f16" not in kernel.asm["ptx"], "direct f16 -> bf16 conversion (F2F)"
-            if pipelined:
+            if kind == "pipelined":
                 assert "async_copy_global_to_local" in kernel.asm["ttgir"], "K loop not software-pipelined"
             if any(str(types(n)).startswith("tensordesc") for n in fn.arg_names):
                 assert "async_tma_copy_global_to_local" in kernel.asm["ttgir"], "descriptor loads not TMA copies"
+            if kind == "ahead":
+                waited = loads_waited_in_trip(main_loop(disassemble(kernel)))
+                assert waited == 0, f"{waited} loads of the prefetching loop waited for in the trip that issues them"
             print(f"ok     {name}")
         except Exception as e:  # report every kernel, then fail
             failed += 1
