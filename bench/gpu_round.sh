@@ -18,7 +18,7 @@ export PYTHONPATH=/tmp/shim PYTHONUNBUFFERED=1
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 step() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
-step kernels && timeout "${KERNEL_TESTS_S:-130}" python3 -m pytest -m gpu tests/kernels -q -s -p no:cacheprovider 2>&1 | tee "$OUT/kernels_gpu.log" | tail -40
+step kernels && timeout "${KERNEL_TESTS_S:-240}" python3 -m pytest -m gpu tests/kernels -q -s -p no:cacheprovider 2>&1 | tee "$OUT/kernels_gpu.log" | tail -40
 step model && timeout "${MODEL_TESTS_S:-200}" python3 -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider ${MODEL_TESTS_K:+-k "$MODEL_TESTS_K"} 2>&1 | tee "$OUT/model_gpu.log" | tail -30
 step runtime && timeout "${RUNTIME_TESTS_S:-90}" python3 -m pytest -m gpu tests/runtime -q -s -p no:cacheprovider 2>&1 | tee "$OUT/runtime_gpu.log" | tail -15
 step serve && timeout "${SERVE_S:-300}" python3 bench/bench_decode.py ${SERVE_ARGS:-gpt-oss-20b,gpt-oss-120b,glm-4.5v-fp8 --dummy --gen-len 64} --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | tail -40
