@@ -252,6 +252,12 @@ def _tma_ready(*tensors: torch.Tensor) -> bool:
                                                                     for st in t.stride()[:-1]) for t in tensors)
 
 
+def _word_rows(scales: torch.Tensor) -> bool:
+    """Whether MXFP4 scales [E, N, K / 32] (bytes) can be read as 4-byte words: contiguous rows
+    starting on 4-byte boundaries."""
+    return scales.data_ptr() % 4 == 0 and scales.stride(-1) == 1 and all(st % 4 == 0 for st in scales.stride()[:-1])
+
+
 def _tma_descriptors(words: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int):
     """Tensor descriptors of one MXFP4 stack for the packed-f16 kernels' TMA loads: codes as
     int32 words [E, N, K / 8] in boxes [1, block_n, block_k / 8], E8M0 scales [E, N, K / 32] in
@@ -299,6 +305,14 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
                          f"with tma or tma_down), got {x.dtype}, {cfg.block_k}, {cfg.down_launch[1]}, {cfg.tail_k}")
     (wg, sg, s_strides), (wu, su), (wd, sd, sd_strides) = gate, up, down
     bg, bu, bias_strides = biases
+    down_n, down_k, down_warps, down_stages = cfg.down_launch
+    gate_up_ahead = cfg.scales_ahead and not cfg.tma
+    down_ahead = cfg.scales_ahead and not cfg.tma_down
+    for ahead, step, scales in ((gate_up_ahead, cfg.block_k, (sg, su)), (down_ahead, down_k, (sd,))):
+        if ahead and (step % 128 or not all(_word_rows(s) for s in scales)):
+            raise ValueError(f"scales_ahead reads the MXFP4 scales as 4-byte words: it needs K steps that are "
+                             f"multiples of 128 (got {step}) and scale rows starting on 4-byte boundaries (store the "
+                             "scales with engine.weights.formats.aligned_scale_rows)")
     num_pairs = t * k
     expert_ids = topk_ids.reshape(-1)
     if x_half2 is not None:
@@ -320,7 +334,6 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
                     float(2.0 ** act_exp), expert_ids, i, h, k, float(experts.alpha), float(experts.limit))
     down_args = (down_words, stride_de, stride_dn, sd, *sd_strides, bd, bd_stride,
                  topk_weights.reshape(-1).to(torch.float32), y, y.stride(0), expert_ids, h, i)
-    down_n, down_k, down_warps, down_stages = cfg.down_launch
     gate_up_descs, down_descs = {}, {}
     if cfg.tma:
         (wg_desc, sg_desc), (wu_desc, su_desc) = (_tma_descriptors(words, scales, cfg.block_n, cfg.block_k)
@@ -347,12 +360,12 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     moe_gate_up_half2_kernel[(num_pairs, triton.cdiv(i, cfg.block_n))](
         xq.view(torch.int32), x_inv_scale, *gate_up_args, HAS_BIAS=experts.gate_bias is not None,
         INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
-        TAIL_K=min(cfg.tail_k, cfg.block_k), WIDE_X=cfg.wide_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **gate_up_descs)
+        TAIL_K=min(cfg.tail_k, cfg.block_k), WIDE_X=cfg.wide_x, SCALES_AHEAD=gate_up_ahead,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **gate_up_descs)
     moe_down_half2_kernel[(num_pairs, triton.cdiv(h, down_n))](
         act.view(torch.int32), float(2.0 ** -act_exp), *down_args, HAS_BIAS=has_down_bias, INTERPRET=interpret,
-        BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages, TAIL_K=min(cfg.tail_k, down_k), num_warps=down_warps,
-        num_stages=down_stages, **down_descs)
+        BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages, TAIL_K=min(cfg.tail_k, down_k), SCALES_AHEAD=down_ahead,
+        num_warps=down_warps, num_stages=down_stages, **down_descs)
     return _combine(y, topk_ids, out)
 
 

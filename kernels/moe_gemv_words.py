@@ -29,6 +29,17 @@ def _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, strid
     in 16-byte groups (one group = 4 words = 32 codes; word j holds codes 8j..8j+7, code i in
     bits 4i..4i+3). -> (words int32 [BLOCK_N, G, 4], E8M0 scales uint8 [BLOCK_N, G]); a chunk
     past K loads nothing (all masked)."""
+    w = mx_words(w_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K)
+    BLOCK_G: tl.constexpr = BLOCK_K // 32
+    g = k0 // 32 + tl.arange(0, BLOCK_G)
+    s_base = s_ptr + e.to(tl.int64) * stride_se + n * stride_sn
+    scale = tl.load(s_base[:, None] + g[None, :] * stride_sk, mask=n_mask[:, None] & (g < K // 32)[None, :], other=0)
+    return w, scale
+
+
+@triton.jit
+def mx_words(w_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K: tl.constexpr):
+    """The words of _mx_words_raw alone: int32 [BLOCK_N, G, 4]."""
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     g = k0 // 32 + tl.arange(0, BLOCK_G)
     g_mask = g < K // 32
@@ -36,10 +47,7 @@ def _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, strid
     # issues one 128-bit load per row and group
     row_groups = e.to(tl.int64) * stride_we + n.to(tl.int64) * stride_wn
     offs = (row_groups[:, None, None] + g[None, :, None]) * 4 + tl.arange(0, 4)[None, None, :]
-    w = tl.load(w_ptr + offs, mask=n_mask[:, None, None] & g_mask[None, :, None], other=0)
-    s_base = s_ptr + e.to(tl.int64) * stride_se + n * stride_sn
-    scale = tl.load(s_base[:, None] + g[None, :] * stride_sk, mask=n_mask[:, None] & g_mask[None, :], other=0)
-    return w, scale
+    return tl.load(w_ptr + offs, mask=n_mask[:, None, None] & g_mask[None, :, None], other=0)
 
 
 @triton.jit

@@ -292,10 +292,16 @@ PIPELINED = [
 ]
 
 
-# Loops that request their next tiles by hand (no compiler pipeline): compiled as launched (aligned
-# strides, vector loads), every global load of the loop must be first read in the next trip; a
-# load read in the trip that issues it makes the warp wait for it there.
+# Loops that request some of their loads a trip ahead by hand (the rest, if any, through the
+# compiler's pipeline): compiled as launched (aligned strides, vector loads), every global load of
+# the loop must be first read in the next trip; a load read in the trip that issues it makes the
+# warp wait for it there.
 AHEAD = [
+    ("MXFP4 gate/up half2 n8 k256 w1, 3 stages, scales a step ahead", moe_gate_up_half2_kernel, HALF2,
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3, TAIL_K=64, WIDE_X=True, SCALES_AHEAD=True),
+     1, 3),
+    ("MXFP4 down half2 n16 k256 w1, 2 stages, scales a step ahead", moe_down_half2_kernel, HALF2_DOWN,
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=16, BLOCK_K=256, STAGES=2, TAIL_K=64, SCALES_AHEAD=True), 1, 2),
     ("decode attention split, key tiles requested ahead, gpt-oss sliding window", _decode_split_kernel,
      _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "sinks_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
             | {"tables_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32",
@@ -317,7 +323,7 @@ def main() -> int:
             # f16 -> bf16 in one step compiles to F2F, a slow conversion instruction: at one per
             # weight value it bound the FP8 tensor-core tiles (bench/NOTES-moe.md)
             assert "cvt.bf16.f16" not in kernel.asm["ptx"], "direct f16 -> bf16 conversion (F2F)"
-            if kind == "pipelined":
+            if kind == "pipelined" or (kind == "ahead" and stages > 1):
                 assert "async_copy_global_to_local" in kernel.asm["ttgir"], "K loop not software-pipelined"
             if any(str(types(n)).startswith("tensordesc") for n in fn.arg_names):
                 assert "async_tma_copy_global_to_local" in kernel.asm["ttgir"], "descriptor loads not TMA copies"

@@ -63,6 +63,21 @@ def _aligned(experts):
                    down=aligned_scale_rows(experts.down))
 
 
+def _spread_tokens_run(experts, cfg, dtype):
+    """Three tokens of very different magnitudes (each gets its own 2^k in the packed-f16 input),
+    top-2 routing with one pair's expert -1, through fused_moe with cfg; each token checked against
+    the float32 reference to its own relative error. -> (x, weights, ids, out)."""
+    x = torch.randn(3, experts.hidden_size, device=DEV, dtype=dtype)
+    x = x * torch.tensor([[1e-3], [1.0], [300.0]], device=DEV).to(dtype)
+    w, ids = route_gpt_oss(torch.randn(3, experts.num_experts, device=DEV), 2)
+    ids[2, 1] = -1
+    out = fused_moe(x, experts, w, ids, config=cfg)
+    ref = fused_moe_ref(x, experts, w, ids)
+    for row in range(3):
+        assert rel_err(out[row], ref[row]) < TOL[dtype]
+    return x, w, ids, out
+
+
 def _gpt_oss_case(e, h, i, scale_lo=118, scale_hi=123, codes=None):
     blocks, scales = random_mxfp4(e, 2 * i, h, device=DEV, scale_lo=scale_lo, scale_hi=scale_hi)
     dblocks, dscales = random_mxfp4(e, h, i, device=DEV, scale_lo=scale_lo, scale_hi=scale_hi)
@@ -118,16 +133,9 @@ def test_gpt_oss_mxfp4_half2(dtype, block_n, block_k, tail_k, wide_x):
     # the K steps after the last whole block_k (128: one masked step; 32: three steps of the
     # 96-wide gate/up input, one of the 160-wide GLU output after a whole step). wide_x: gate/up
     # loads each word's activation pairs at once.
-    e, k, h, i, t = 6, 2, 96, 160, 3
-    experts = _gpt_oss_case(e, h, i, scale_lo=110, scale_hi=131)
+    experts = _gpt_oss_case(6, 96, 160, scale_lo=110, scale_hi=131)
     cfg = MoeConfig(1, block_n, block_k, 1, 1, gemv=True, mx_half2=True, tail_k=tail_k, wide_x=wide_x)
-    x = torch.randn(t, h, device=DEV, dtype=dtype) * torch.tensor([[1e-3], [1.0], [300.0]], device=DEV).to(dtype)
-    w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
-    ids[2, 1] = -1
-    out = fused_moe(x, experts, w, ids, config=cfg)
-    ref = fused_moe_ref(x, experts, w, ids)
-    for row in range(t):  # each token to its own relative error, whatever its magnitude
-        assert rel_err(out[row], ref[row]) < TOL[dtype]
+    _spread_tokens_run(experts, cfg, dtype)
 
 
 @pytest.mark.parametrize("dtype,block_n,tail_k,wide_x,tma_down,down_tile", [
@@ -140,17 +148,10 @@ def test_gpt_oss_mxfp4_tma(dtype, block_n, tail_k, wide_x, tma_down, down_tile):
     # masked step). 544 rows leave a partial row block at 32 rows; the pair with expert -1 and the
     # token magnitudes as in test_gpt_oss_mxfp4_half2. The down kernel on TMA with its own tile, or
     # on the pointer loads (which take steps of 64 past the last whole step when tail_k is 0).
-    e, k, h, i, t = 3, 2, 544, 96, 3
-    experts = _aligned(_gpt_oss_case(e, h, i, scale_lo=110, scale_hi=131))
+    experts = _aligned(_gpt_oss_case(3, 544, 96, scale_lo=110, scale_hi=131))
     cfg = MoeConfig(1, block_n, 512, 1, 2, gemv=True, mx_half2=True, tma=True, tma_down=tma_down, tail_k=tail_k,
                     wide_x=wide_x, down_tile=down_tile)
-    x = torch.randn(t, h, device=DEV, dtype=dtype) * torch.tensor([[1e-3], [1.0], [300.0]], device=DEV).to(dtype)
-    w, ids = route_gpt_oss(torch.randn(t, e, device=DEV), k)
-    ids[2, 1] = -1
-    out = fused_moe(x, experts, w, ids, config=cfg)
-    ref = fused_moe_ref(x, experts, w, ids)
-    for row in range(t):
-        assert rel_err(out[row], ref[row]) < TOL[dtype]
+    x, w, ids, out = _spread_tokens_run(experts, cfg, dtype)
     if tail_k == 0 and tma_down:  # the same group sums as the pointer-load kernels, read another way
         plain = fused_moe(x, experts, w, ids, config=replace(cfg, tma=False, tma_down=False, block_k=256, tail_k=32))
         assert rel_err(out, plain) < 1e-5
@@ -177,6 +178,25 @@ def test_gpt_oss_mxfp4_two_pairs_per_program(dtype, block_n, down_tile, wide_x):
         assert rel_err(out[row], ref[row]) < TOL[dtype]
     # the same sums in the same order as one pair per program
     assert torch.equal(out, fused_moe(x, experts, w, ids, config=replace(cfg, block_m=1)))
+
+
+@pytest.mark.parametrize("dtype,block_k,down_k,wide_x", [(torch.bfloat16, 128, 128, True),
+                                                        (torch.float16, 256, 128, False)])
+def test_gpt_oss_mxfp4_scales_ahead(dtype, block_k, down_k, wide_x):
+    # the packed-f16 pointer kernels with each step's scales read a step ahead as 4-byte words:
+    # H = 288 (9 groups: whole steps of 128 or 256, a 32-wide tail, a last word half past K),
+    # I = 160 (one whole step of 128 and a tail); scale rows stored aligned; a pair of expert -1;
+    # token rows far apart in magnitude
+    e, h, i = 4, 288, 160
+    experts = _aligned(_gpt_oss_case(e, h, i, scale_lo=110, scale_hi=131))
+    cfg = MoeConfig(1, 16, block_k, 1, 2, gemv=True, mx_half2=True, tail_k=32, wide_x=wide_x,
+                    down_tile=(16, down_k, 1, 2), scales_ahead=True)
+    x, w, ids, out = _spread_tokens_run(experts, cfg, dtype)
+    assert torch.equal(out, fused_moe(x, experts, w, ids, config=replace(cfg, scales_ahead=False)))
+    with pytest.raises(ValueError, match="aligned_scale_rows"):  # the checkpoint's 9- and 5-byte rows
+        fused_moe(x, _gpt_oss_case(e, h, i), w, ids, config=cfg)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fused_moe(x, experts, w, ids, config=replace(cfg, block_k=64))
 
 
 def test_tma_kernels_refuse_unaligned_scales_and_short_steps():
@@ -332,6 +352,8 @@ def test_new_row_kernels_reject_bad_tiles():
     (8, MoeConfig(1, 8, 256, 1, 2, gemv=True, mx_half2=True)),
     (32, MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True)),
     (4, MoeConfig(1, 8, 256, 1, 2, gemv=True, mx_half2=True, tail_k=256)),
+    (1, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_half2=True, wide_x=True, scales_ahead=True)),
+    (2, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_half2=True, scales_ahead=True)),
     (1, MoeConfig(1, 8, 512, 1, 3, gemv=True, mx_half2=True, tma=True, tma_down=True, wide_x=True, tail_k=0)),
     (1, MoeConfig(1, 16, 512, 1, 3, gemv=True, mx_half2=True, tma=True, wide_x=True, down_tile=(8, 256, 1, 3))),
     (1, MoeConfig(1, 16, 256, 1, 3, gemv=True, mx_half2=True, wide_x=True, down_tile=(8, 256, 1, 3))),
@@ -344,13 +366,14 @@ def test_new_row_kernels_reject_bad_tiles():
 def test_gpt_oss_row_kernels_gpu(t, cfg):
     e, k, h, i = 128, 4, 2880, 2880
     experts = random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda")
-    if cfg.tma or cfg.tma_down:
+    if cfg.tma or cfg.tma_down or cfg.scales_ahead:
         experts = _aligned(experts)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     w, ids = route_gpt_oss(torch.randn(t, e, device="cuda"), k)
     err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
     kind = ("tma" if cfg.tma or cfg.tma_down else "half2") if cfg.mx_half2 else "words"
     kind += ", two pairs a program" if cfg.block_m == 2 and cfg.mx_half2 else ""
+    kind += ", scales a step ahead" if cfg.scales_ahead else ""
     print(f"\ngpt-oss-120b {kind} T={t} {cfg}: rel err {err:.1e}")
     assert err < TOL[torch.bfloat16]
 
