@@ -345,13 +345,13 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     if cfg.block_m == 2:
         sorted_ids, block_expert = moe_align(topk_ids, experts.num_experts, 2)
         blocks = block_expert.numel()
-        moe_gate_up_pairs_kernel[(blocks, triton.cdiv(i, cfg.block_n))](
+        moe_gate_up_pairs_kernel[(triton.cdiv(i, cfg.block_n), blocks)](
             xq.view(torch.int32), x_inv_scale, wg_desc, wu_desc, sg_desc, su_desc, bg, bu, *bias_strides, act,
             float(2.0 ** act_exp), sorted_ids, block_expert, num_pairs, i, h, k, float(experts.alpha),
             float(experts.limit), HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, WIDE_X=cfg.wide_x, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
-        moe_down_pairs_kernel[(blocks, triton.cdiv(h, down_n))](
+        moe_down_pairs_kernel[(triton.cdiv(h, down_n), blocks)](
             act.view(torch.int32), float(2.0 ** -act_exp), w_desc, s_desc, bd, bd_stride,
             topk_weights.reshape(-1).to(torch.float32), y, y.stride(0), sorted_ids, block_expert, num_pairs, h, i,
             HAS_BIAS=has_down_bias, INTERPRET=interpret, BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages,

@@ -12,6 +12,10 @@ TMA form of the one-pair kernels (K steps multiples of 512, the last one on the 
 which keeps the words in flight out of registers: two pairs per program on pointer loads held 103
 registers against 71 and ran slower (bench/NOTES-moe.md, "Two pairs of one expert per program").
 
+The grid runs (row block, pair block) with the row blocks fastest: moe_align lists the blocks
+that hold pairs first and its unused ones (up to one per expert, each program of which exits at
+once) last, so those come after all real work has been scheduled instead of between it.
+
 Results are those of the one-pair TMA kernels, summed in the same order.
 """
 from __future__ import annotations
@@ -52,7 +56,7 @@ def _two_pair_sums(acc_a, acc_b, w, scale, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb
 def _block_pair_ids(sorted_ids_ptr, block_expert_ptr, num_pairs):
     """This program's block of moe_align(..., block_m=2) -> (expert, pair a, pair b, whether b is
     real); expert -1: an unused block."""
-    block = tl.program_id(0)
+    block = tl.program_id(1)
     e = tl.load(block_expert_ptr + block)
     pair_a = tl.load(sorted_ids_ptr + 2 * block)
     pair_b = tl.load(sorted_ids_ptr + 2 * block + 1)
@@ -62,7 +66,7 @@ def _block_pair_ids(sorted_ids_ptr, block_expert_ptr, num_pairs):
 @triton.jit
 def _row_block(N, BLOCK_N: tl.constexpr):
     """This program's output rows: (first row, rows [BLOCK_N], which are below N)."""
-    n0 = tl.program_id(1) * BLOCK_N
+    n0 = tl.program_id(0) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     return n0, n, n < N
 
@@ -74,7 +78,7 @@ def moe_gate_up_pairs_kernel(
         out_ptr, act_scale, sorted_ids_ptr, block_expert_ptr, num_pairs, N, K, top_k, alpha, limit,
         HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, WIDE_X: tl.constexpr = False):
-    """Program (block of two pairs of one expert, n-block): moe_gate_up_half2_kernel's rows for
+    """Program (n-block, block of two pairs of one expert): moe_gate_up_half2_kernel's rows for
     both pairs (TMA form, TAIL_K 0), each word decoded once. sorted_ids / block_expert: moe_align
     with block_m 2 (padding slots hold num_pairs); wg_desc / wu_desc, sg_desc / su_desc: the
     tensor descriptors of moe_gate_up_half2_kernel."""
@@ -120,7 +124,7 @@ def moe_down_pairs_kernel(
         pair_weights_ptr, y_ptr, stride_yt, sorted_ids_ptr, block_expert_ptr, num_pairs, N, K,
         HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """Program (block of two pairs of one expert, n-block): moe_down_half2_kernel's rows for both
+    """Program (n-block, block of two pairs of one expert): moe_down_half2_kernel's rows for both
     pairs (TMA form, TAIL_K 0), each word decoded once; blocks as in moe_gate_up_pairs_kernel."""
     e, pair_a, pair_b, two = _block_pair_ids(sorted_ids_ptr, block_expert_ptr, num_pairs)
     if e < 0:
