@@ -158,11 +158,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
     acc = tl.zeros((G_PAD, D), dtype=tl.float32)
     table_row = tables_ptr + b * stride_tb
     if PREFETCH:
-        # tile i's keys and values are requested before tile i - 1 is computed, and its pages
-        # before that, so a tile's loads wait behind the previous tile's arithmetic instead of
-        # after it (the compiler's pipeline issues them only once the previous tile has left its
-        # one shared-memory buffer, behind that tile's page loads; launched with num_stages=1, the
-        # compiler leaves this loop as written)
+        # tile i's keys and values requested before tile i - 1 is computed, its pages before that
+        # (module docstring); launched with num_stages=1, the compiler leaves this loop as written
         first_pages = _tile_pages(table_row, start, loop_end, block_size, BLOCK_N)
         k_next, v_next = _tile_kv_ahead(k_ptr, v_ptr, kvh, first_pages, start, loop_end, block_size, stride_kb,
                                         stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, D, BLOCK_N)
