@@ -24,7 +24,8 @@ mantissa) is finer than the bf16 that the reference rounds it to.
 
 Loads: the K loop is software-pipelined STAGES deep (asynchronous copies of the words and the
 activation pairs); the one-byte E8M0 scales stay ordinary loads (reading them through 32-bit
-words, so that they are copied ahead too, measured slower: bench/NOTES-moe.md). With TMA (
+words, so that they are copied ahead too, measured slower: bench/NOTES-moe.md), or with
+SCALES_AHEAD (MoeConfig.scales_ahead) 32-bit words read a step ahead into registers. With TMA (
 MoeConfig.tma / tma_down) each whole K step is instead two bulk tensor copies per matrix, a
 [BLOCK_N, BLOCK_K / 8] box of words and a [BLOCK_N, BLOCK_K / 32] box of scales, issued by one
 thread into the same pipeline, so the scales are copied ahead too. The tensor-copy engine needs
@@ -212,7 +213,7 @@ def _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, st
 
 
 @triton.jit
-def scale_words(s_ptr, e, n, n_mask, k0, K, stride_se, stride_sn, BLOCK_K: tl.constexpr):
+def _scale_words(s_ptr, e, n, n_mask, k0, K, stride_se, stride_sn, BLOCK_K: tl.constexpr):
     """The E8M0 scales of one K chunk (a multiple of 128) of rows n as int32 words [BLOCK_N,
     BLOCK_K / 128] of four scales each, the first in the low byte; rows 4-byte aligned (strides
     in bytes, multiples of 4; stride_sk 1). Words starting past K are not read."""
@@ -224,8 +225,8 @@ def scale_words(s_ptr, e, n, n_mask, k0, K, stride_se, stride_sn, BLOCK_K: tl.co
 
 
 @triton.jit
-def scales_of_words(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """scale_words' words -> the scales, int32 [BLOCK_N, BLOCK_K / 32]."""
+def _scales_of_words(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_scale_words' words -> the scales, int32 [BLOCK_N, BLOCK_K / 32]."""
     shifts = 8 * tl.arange(0, 4)
     return tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xFF, (BLOCK_N, BLOCK_K // 32))
 
@@ -351,7 +352,7 @@ def moe_gate_up_half2_kernel(
     [1, BLOCK_N, BLOCK_K / 8]) and sg_desc / su_desc (uint8 scales [E, N, K / 32], boxes
     [1, BLOCK_N, BLOCK_K / 32]) of the same tensors; the tail steps through the pointers.
     SCALES_AHEAD (pointer loads, BLOCK_K a multiple of 128, scale rows 4-byte aligned): each whole
-    step's E8M0 scales are read a step ahead as int32 words (scale_words) and taken apart in the
+    step's E8M0 scales are read a step ahead as int32 words (_scale_words) and taken apart in the
     step that uses them. One-byte loads cannot be asynchronous copies, and read in the step that
     issues them, each step waits for them there."""
     pair = tl.program_id(0)
@@ -368,18 +369,18 @@ def moe_gate_up_half2_kernel(
     xq_row = xq_ptr + tok * (K // 2)
     k_whole = _whole_steps_end(K, BLOCK_K, TAIL_K)
     if SCALES_AHEAD:
-        sg_next = scale_words(sg_ptr, e, n, n_mask, 0, K, stride_se, stride_sn, BLOCK_K)
-        su_next = scale_words(su_ptr, e, n, n_mask, 0, K, stride_se, stride_sn, BLOCK_K)
+        sg_next = _scale_words(sg_ptr, e, n, n_mask, 0, K, stride_se, stride_sn, BLOCK_K)
+        su_next = _scale_words(su_ptr, e, n, n_mask, 0, K, stride_se, stride_sn, BLOCK_K)
     for k0 in tl.range(0, k_whole, BLOCK_K, num_stages=STAGES):
         x0, x1, x2, x3 = _x_pairs(xq_row, k0, K, BLOCK_K, WIDE_X)
         if TMA:
             acc_g = _tma_chunk(acc_g, wg_desc, sg_desc, e, n0, k0, x0, x1, x2, x3, INTERPRET, BLOCK_N, BLOCK_K)
             acc_u = _tma_chunk(acc_u, wu_desc, su_desc, e, n0, k0, x0, x1, x2, x3, INTERPRET, BLOCK_N, BLOCK_K)
         elif SCALES_AHEAD:
-            sg = scales_of_words(sg_next, BLOCK_N, BLOCK_K)
-            su = scales_of_words(su_next, BLOCK_N, BLOCK_K)
-            sg_next = scale_words(sg_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_se, stride_sn, BLOCK_K)
-            su_next = scale_words(su_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_se, stride_sn, BLOCK_K)
+            sg = _scales_of_words(sg_next, BLOCK_N, BLOCK_K)
+            su = _scales_of_words(su_next, BLOCK_N, BLOCK_K)
+            sg_next = _scale_words(sg_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_se, stride_sn, BLOCK_K)
+            su_next = _scale_words(su_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_se, stride_sn, BLOCK_K)
             acc_g = _scaled_sums(acc_g, mx_words(wg_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K), sg,
                                  x0, x1, x2, x3, INTERPRET)
             acc_u = _scaled_sums(acc_u, mx_words(wu_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K), su,
@@ -433,14 +434,14 @@ def moe_down_half2_kernel(
     aq_row = aq_ptr + pair.to(tl.int64) * (K // 2)
     k_whole = _whole_steps_end(K, BLOCK_K, TAIL_K)
     if SCALES_AHEAD:
-        s_next = scale_words(s_ptr, e, n, n_mask, 0, K, stride_se, stride_sn, BLOCK_K)
+        s_next = _scale_words(s_ptr, e, n, n_mask, 0, K, stride_se, stride_sn, BLOCK_K)
     for k0 in tl.range(0, k_whole, BLOCK_K, num_stages=STAGES):
         x0, x1, x2, x3 = _x_pairs(aq_row, k0, K, BLOCK_K)
         if TMA:
             acc = _tma_chunk(acc, w_desc, s_desc, e, n0, k0, x0, x1, x2, x3, INTERPRET, BLOCK_N, BLOCK_K)
         elif SCALES_AHEAD:
-            scale = scales_of_words(s_next, BLOCK_N, BLOCK_K)
-            s_next = scale_words(s_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_se, stride_sn, BLOCK_K)
+            scale = _scales_of_words(s_next, BLOCK_N, BLOCK_K)
+            s_next = _scale_words(s_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_se, stride_sn, BLOCK_K)
             acc = _scaled_sums(acc, mx_words(w_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K), scale,
                                x0, x1, x2, x3, INTERPRET)
         else:
