@@ -42,9 +42,9 @@ def _types(overrides: dict[str, str]):
 
 
 def compile_kernel(fn, types, constexprs: dict, num_warps: int = 4, num_stages: int = 1, divisible: bool = False):
-    """The compiled sm_90 kernel. divisible: pointers, strides and the sizes N and K marked
-    16-divisible, as the launcher specialises them at run time for the real shapes (what the
-    SASS then shows)."""
+    """The compiled sm_90 kernel. divisible: pointers, strides, the sizes N and K and a K split's
+    length (K_SPLIT) marked 16-divisible, as the launcher specialises them at run time for the
+    real shapes (what the SASS then shows)."""
     names = fn.arg_names
     # as a launch leaves them: constexpr parameters at their defaults, and descriptor arguments the
     # case does not type at the pointer-load form's None
@@ -55,7 +55,7 @@ def compile_kernel(fn, types, constexprs: dict, num_warps: int = 4, num_stages: 
     constexprs = {**defaults, **descs, **constexprs}
     signature = {n: "constexpr" if n in constexprs else types(n) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if divisible and n not in constexprs and (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K"))}
+             if divisible and n not in constexprs and (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K", "K_SPLIT"))}
     src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
     kernel = triton.compile(src, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages))
     assert len(kernel.asm.get("cubin", b"")) > 0, "no cubin"
@@ -211,10 +211,6 @@ CASES += [
     ("MoE align scatter per chunk", _align_scatter_kernel,
      _types({"ids_ptr": "*i32", "counts_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}),
      dict(BLOCK_M=64, BM_PAD=64, E_PAD=128, CHUNK=64, SUB=64, ROWS=32, PAD_COLS=32, SLOTS=128, BLOCKS=2), 4, 1),
-    # GLM-4.5V's o_proj at 3-32 tokens: K split over 4 programs, their partials added by a second launch
-    ("FP8 linear tile 32x32x256, K split", _fp8_linear_kernel,
-     _types({"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*fp32"}),
-     dict(FORMAT=1, SBN=1, SBK=1, HAS_BIAS=False, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4), 4, 3),
     ("FP8 linear K splits added", _sum_splits_kernel,
      _types({"part_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
      dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024), 4, 1),
@@ -283,6 +279,10 @@ PIPELINED = [
      dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=16, BLOCK_K=512, STAGES=3, WIDE_X=True), 1, 3),
     ("MXFP4 down two pairs TMA n32 k512 w1, 3 stages", moe_down_pairs_kernel, _tma_types(PAIRS_DOWN, 32),
      dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=32, BLOCK_K=512, STAGES=3), 1, 3),
+    # GLM-4.5V's o_proj at 3-32 tokens: K split over 4 programs, their partials added by a second launch
+    ("FP8 linear tile 32x32x256, K split", _fp8_linear_kernel,
+     _types({"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*fp32"}),
+     dict(FORMAT=1, SBN=1, SBK=1, HAS_BIAS=False, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4), 4, 3),
     ("FP8 gate/up row kernel n32 k256 w4, 3 stages", moe_gate_up_gemv_kernel, GEMV_FP8,
      dict(FORMAT=1, SBN=1, SBK=1, SORTED=False, ACT=0, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
           STAGES=3), 4, 3),
