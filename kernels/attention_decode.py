@@ -69,9 +69,9 @@ def _tile_kv_ahead(k_ptr, v_ptr, kvh, page, j0, loop_end, block_size, stride_kb,
                    stride_vs, stride_vh, D: tl.constexpr, BLOCK_N: tl.constexpr):
     """_tile_kv for a tile requested a trip ahead (the prefetching loop): 16-bit caches come as
     int32 words [BLOCK_N, D / 2] of two values each, to be carried to the next trip as loaded and
-    split there (_kv_from_ahead). Carried as 16-bit values, the compiler repacks them into
-    registers right after the load, in the same trip, which then waits for the load there (sm_90
-    SASS: bench/NOTES-attention.md). Other dtypes as _tile_kv."""
+    split there (_kv_from_ahead). Carried as 16-bit values, the compiler repacks them for the
+    loop-carried copy before the trip ends, which then waits for the load there (sm_90 SASS:
+    bench/NOTES-attention.md). Other dtypes as _tile_kv."""
     if k_ptr.dtype.element_ty.primitive_bitwidth == 16:
         j = j0 + tl.arange(0, BLOCK_N)
         j_mask = j < loop_end
