@@ -26,7 +26,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight
+from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight, rows_aligned
 from .arrivals import arrival_counts
 from .gpu_facts import compiled_on_gpu
 from .moe_align import moe_align
@@ -116,7 +116,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     # the TMA loads read MXFP4 stacks whose rows all start on 16-byte boundaries (scale rows
     # stored padded by the loader; a view narrowed along K may not be)
     tma_ok = (fmt == fmt_d == FMT_MXFP4 and experts.activation == "swiglu_clamped"
-              and _tma_ready(wg, wu, wd, sg, su, sd))
+              and all(rows_aligned(t, TMA_ALIGN) for t in (wg, wu, wd, sg, su, sd)))
     cfg = config or default_config(t * k, e, fmt, on_gpu, x.element_size(), bf16=mma_ok, tma=tma_ok)
     blk_ks = [b[1] for f, b in ((fmt, sblock), (fmt_d, sdblock)) if f == FMT_FP8_BLK]
     if config is None and cfg.mx_half2 and (experts.activation != "swiglu_clamped" or fmt_d != FMT_MXFP4):
@@ -245,17 +245,7 @@ def _code_words(*codes: torch.Tensor):
     return (*words, words[0].stride(0) // 4, words[0].stride(1) // 4)
 
 
-def _tma_ready(*tensors: torch.Tensor) -> bool:
-    """Whether the tensor-copy engine can read these: 16-byte aligned start and row strides,
-    contiguous rows."""
-    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(st * t.element_size() % 16 == 0
-                                                                    for st in t.stride()[:-1]) for t in tensors)
-
-
-def _word_rows(scales: torch.Tensor) -> bool:
-    """Whether MXFP4 scales [E, N, K / 32] (bytes) can be read as 4-byte words: contiguous rows
-    starting on 4-byte boundaries."""
-    return scales.data_ptr() % 4 == 0 and scales.stride(-1) == 1 and all(st % 4 == 0 for st in scales.stride()[:-1])
+TMA_ALIGN = 16  # bytes: the tensor-copy engine's row alignment
 
 
 def _tma_descriptors(words: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int):
@@ -265,7 +255,7 @@ def _tma_descriptors(words: torch.Tensor, scales: torch.Tensor, block_n: int, bl
     if block_k % 512:
         raise ValueError(f"the TMA row kernels need block_k a multiple of 512 (16-byte scale boxes), got {block_k}")
     for t, what in ((words, "codes"), (scales, "scales")):
-        if not _tma_ready(t):
+        if not rows_aligned(t, TMA_ALIGN):
             raise ValueError(f"the TMA loads need the MXFP4 {what} at 16-byte aligned rows (strides "
                              f"{tuple(t.stride())} of {t.element_size()}-byte elements); store the scales with "
                              "engine.weights.formats.aligned_scale_rows")
@@ -309,7 +299,7 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     gate_up_ahead = cfg.scales_ahead and not cfg.tma
     down_ahead = cfg.scales_ahead and not cfg.tma_down
     for ahead, step, scales in ((gate_up_ahead, cfg.block_k, (sg, su)), (down_ahead, down_k, (sd,))):
-        if ahead and (step % 128 or not all(_word_rows(s) for s in scales)):
+        if ahead and (step % 128 or not all(rows_aligned(s, 4) for s in scales)):
             raise ValueError(f"scales_ahead reads the MXFP4 scales as 4-byte words: it needs K steps that are "
                              f"multiples of 128 (got {step}) and scale rows starting on 4-byte boundaries (store the "
                              "scales with engine.weights.formats.aligned_scale_rows)")
@@ -330,10 +320,7 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     act = torch.empty((num_pairs, i), dtype=torch.float16, device=x.device)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias, bd, bd_stride = _down_bias(experts, x)
-    gate_up_args = (gate_words, up_words, stride_we, stride_wn, sg, su, *s_strides, bg, bu, *bias_strides, act,
-                    float(2.0 ** act_exp), expert_ids, i, h, k, float(experts.alpha), float(experts.limit))
-    down_args = (down_words, stride_de, stride_dn, sd, *sd_strides, bd, bd_stride,
-                 topk_weights.reshape(-1).to(torch.float32), y, y.stride(0), expert_ids, h, i)
+    pair_weights = topk_weights.reshape(-1).to(torch.float32)
     gate_up_descs, down_descs = {}, {}
     if cfg.tma:
         (wg_desc, sg_desc), (wu_desc, su_desc) = (_tma_descriptors(words, scales, cfg.block_n, cfg.block_k)
@@ -353,17 +340,19 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
             num_stages=cfg.num_stages)
         moe_down_pairs_kernel[(triton.cdiv(h, down_n), blocks)](
             act.view(torch.int32), float(2.0 ** -act_exp), w_desc, s_desc, bd, bd_stride,
-            topk_weights.reshape(-1).to(torch.float32), y, y.stride(0), sorted_ids, block_expert, num_pairs, h, i,
+            pair_weights, y, y.stride(0), sorted_ids, block_expert, num_pairs, h, i,
             HAS_BIAS=has_down_bias, INTERPRET=interpret, BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages,
             num_warps=down_warps, num_stages=down_stages)
         return _combine(y, topk_ids, out)
     moe_gate_up_half2_kernel[(num_pairs, triton.cdiv(i, cfg.block_n))](
-        xq.view(torch.int32), x_inv_scale, *gate_up_args, HAS_BIAS=experts.gate_bias is not None,
-        INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
-        TAIL_K=min(cfg.tail_k, cfg.block_k), WIDE_X=cfg.wide_x, SCALES_AHEAD=gate_up_ahead,
+        xq.view(torch.int32), x_inv_scale, gate_words, up_words, stride_we, stride_wn, sg, su, *s_strides, bg, bu,
+        *bias_strides, act, float(2.0 ** act_exp), expert_ids, i, h, k, float(experts.alpha), float(experts.limit),
+        HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        STAGES=cfg.num_stages, TAIL_K=min(cfg.tail_k, cfg.block_k), WIDE_X=cfg.wide_x, SCALES_AHEAD=gate_up_ahead,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **gate_up_descs)
     moe_down_half2_kernel[(num_pairs, triton.cdiv(h, down_n))](
-        act.view(torch.int32), float(2.0 ** -act_exp), *down_args, HAS_BIAS=has_down_bias, INTERPRET=interpret,
+        act.view(torch.int32), float(2.0 ** -act_exp), down_words, stride_de, stride_dn, sd, *sd_strides, bd,
+        bd_stride, pair_weights, y, y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret,
         BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages, TAIL_K=min(cfg.tail_k, down_k), SCALES_AHEAD=down_ahead,
         num_warps=down_warps, num_stages=down_stages, **down_descs)
     return _combine(y, topk_ids, out)

@@ -96,13 +96,19 @@ def padded_scale_copy(scales: torch.Tensor, align: int = 16) -> torch.Tensor:
     return padded[..., :groups]
 
 
+def rows_aligned(t: torch.Tensor, align: int) -> bool:
+    """Whether every row of t (its last dimension, contiguous) starts on an `align`-byte boundary:
+    the start address and every outer stride, in bytes, multiples of align."""
+    return (t.data_ptr() % align == 0 and t.stride(-1) == 1
+            and all(st * t.element_size() % align == 0 for st in t.stride()[:-1]))
+
+
 def aligned_scale_rows(w: Mxfp4Weight, align: int = 16) -> Mxfp4Weight:
     """The same weight with its scales in padded_scale_copy's layout; the values and every reader
     through strides are unchanged. A weight already aligned comes back as it is."""
-    s = w.scales
-    if all(st % align == 0 for st in s.stride()[:-1]) and s.stride(-1) == 1 and s.data_ptr() % align == 0:
+    if rows_aligned(w.scales, align):
         return w
-    return Mxfp4Weight(w.blocks, padded_scale_copy(s, align))
+    return Mxfp4Weight(w.blocks, padded_scale_copy(w.scales, align))
 
 
 LinearWeight = DenseWeight | Fp8Weight | Mxfp4Weight

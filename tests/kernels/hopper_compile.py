@@ -99,16 +99,15 @@ def main_loop(text: str) -> list[str]:
     return best
 
 
-def opcode(ins: str) -> str:
-    parts = ins.split()
-    return (parts[1] if parts[0].startswith("@") else parts[0]).split(".")[0]
-
-
-def _operands(ins: str) -> tuple[str, list[str]]:
-    """(destination, sources) of one SASS instruction, predicate left out."""
+def _operands(ins: str) -> tuple[str, str, list[str]]:
+    """(full opcode, destination, sources) of one SASS instruction, predicate left out."""
     parts = ins.replace(",", " ").split()
     parts = parts[1:] if parts[0].startswith("@") else parts
-    return (parts[1] if len(parts) > 1 else ""), parts[2:]
+    return parts[0], (parts[1] if len(parts) > 1 else ""), parts[2:]
+
+
+def opcode(ins: str) -> str:
+    return _operands(ins)[0].split(".")[0]
 
 
 def loads_waited_in_trip(loop: list[str]) -> int:
@@ -118,14 +117,13 @@ def loads_waited_in_trip(loop: list[str]) -> int:
     for i, ins in enumerate(loop):
         if opcode(ins) != "LDG":
             continue
-        dst, _ = _operands(ins)
+        op, dst, _ = _operands(ins)
         m = re.fullmatch(r"R(\d+)", dst)
-        op = ins.split()[1] if ins.startswith("@") else ins.split()[0]  # e.g. LDG.E.128 (not the .64 address)
-        width = 4 if op.endswith(".128") else 2 if op.endswith(".64") else 1
+        width = 4 if op.endswith(".128") else 2 if op.endswith(".64") else 1  # LDG.E.128: 4 registers
         regs = {f"R{int(m.group(1)) + r}" for r in range(width)} if m else {dst}
         for later in loop[i + 1:]:
-            ldst, srcs = _operands(later)
-            reads = srcs + ([ldst] if opcode(later) in ("STS", "STG", "ST", "STL") else [])
+            later_op, ldst, srcs = _operands(later)
+            reads = srcs + ([ldst] if later_op.split(".")[0] in ("STS", "STG", "ST", "STL") else [])
             if any(src.split(".")[0].lstrip("-|") in regs for src in reads):
                 waited += 1
                 break
@@ -144,6 +142,9 @@ HALF2 = _types({"xq_ptr": "*i32", "x_inv_scale_ptr": "*fp32", "aq_ptr": "*i32", 
                 "act_scale": "fp32", "a_inv_scale": "fp32", "alpha": "fp32", "limit": "fp32"})
 HALF2_DOWN = _types({**{n: HALF2(n) for n in ("aq_ptr", "a_inv_scale", "w_ptr", "s_ptr", "b_ptr", "expert_ptr",
                                               "pair_weights_ptr")}, "y_ptr": "*fp32"})
+ROTARY_ATTENTION = _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "sinks_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
+                          | {"tables_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32",
+                             "qk_scale": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64"})
 PAIRS = _types({**{n: HALF2(n) for n in ("xq_ptr", "x_inv_scale_ptr", "bg_ptr", "bu_ptr", "out_ptr", "act_scale",
                                          "alpha", "limit")}, "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"})
 PAIRS_DOWN = _types({**{n: HALF2_DOWN(n) for n in ("aq_ptr", "a_inv_scale", "b_ptr", "pair_weights_ptr", "y_ptr")},
@@ -226,9 +227,7 @@ CASES += [
      dict(G=8, G_PAD=16, D=64, BLOCK_N=64, NUM_SPLITS=64, HAS_WINDOW=False, HAS_SINKS=True, ROTARY=False, R=2),
      4, 2),
     ("decode attention split with the new token's rotation and cache write, GLM-4.5V", _decode_split_kernel,
-     _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "sinks_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
-            | {"tables_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32",
-               "qk_scale": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64"}),
+     ROTARY_ATTENTION,
      dict(G=12, G_PAD=16, D=128, BLOCK_N=64, NUM_SPLITS=64, HAS_WINDOW=False, HAS_SINKS=False, ROTARY=True, R=64),
      4, 2),
     ("FP8 activations per token and 128 columns", _quant_groups_kernel,
@@ -303,9 +302,7 @@ AHEAD = [
     ("MXFP4 down half2 n16 k256 w1, 2 stages, scales a step ahead", moe_down_half2_kernel, HALF2_DOWN,
      dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=16, BLOCK_K=256, STAGES=2, TAIL_K=64, SCALES_AHEAD=True), 1, 2),
     ("decode attention split, key tiles requested ahead, gpt-oss sliding window", _decode_split_kernel,
-     _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "sinks_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
-            | {"tables_ptr": "*i32", "lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32",
-               "qk_scale": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64"}),
+     ROTARY_ATTENTION,
      dict(G=8, G_PAD=16, D=64, BLOCK_N=64, NUM_SPLITS=16, HAS_WINDOW=True, HAS_SINKS=True, ROTARY=True, R=64,
           PREFETCH=True), 4, 1),
 ]
