@@ -63,8 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="answer one question and exit",
                          description="Answer one question with a local checkpoint; stream the answer to stdout.")
-    run.add_argument("model", help="a registry name (glm-4.5v-fp8, gpt-oss-20b, ...), a Hub repo id, a checkpoint "
-                                   "directory, or 'demo' (a tiny random-weight model)")
+    run.add_argument("target", nargs="?", default=None, metavar="MODEL",
+                     help="a registry name (glm-4.5v-fp8, gpt-oss-20b, ...), a Hub repo id, a checkpoint directory, "
+                          "or 'demo' (a tiny random-weight model); or give it with --model")
+    run.add_argument("--model", dest="run_model", default=None, metavar="MODEL", help="the model, as MODEL")
     run.add_argument("question", nargs="?", default=None, metavar="PROMPT",
                      help="the question (or give it with --prompt, or pipe it in on standard input)")
     run.add_argument("--prompt", default=None, help="the question")
@@ -186,6 +188,24 @@ def _load_engine(args, model_dir: Path):
     return engine
 
 
+def _run_model(args) -> None:
+    """Sets args.model from `run MODEL`, `run --model MODEL` or `localchat --model MODEL run`; with a
+    --model, a lone positional word is the question."""
+    flag = args.run_model or args.model
+    if args.run_model and args.model and args.run_model != args.model:
+        raise UserError(f"two models given (--model {args.model} and --model {args.run_model}); give one")
+    if flag is None:
+        if args.target is None:
+            raise UserError("no model: localchat run MODEL \"question\" (for example gpt-oss-20b, or demo)")
+        args.model = args.target
+        return
+    if args.target is not None:
+        if args.question is not None:
+            raise UserError(f"two models given ({flag} with --model and {args.target} before the question); give one")
+        args.question = args.target
+    args.model = flag
+
+
 def _question(args) -> str:
     """The question from PROMPT, --prompt or standard input (when it is not a terminal)."""
     if args.question is not None and args.prompt is not None:
@@ -204,6 +224,7 @@ def _question(args) -> str:
 def cmd_run(args) -> int:
     from ..engine.runtime.request import Delta, Final
 
+    _run_model(args)
     args.prompt = _question(args)  # before any download or load, so a missing question fails at once
     model_dir = _model_dir(args)
     request = _request(args, model_dir)

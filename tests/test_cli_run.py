@@ -68,6 +68,22 @@ def test_the_question_after_the_model_or_on_standard_input():
     assert empty.returncode != 0 and "empty" in empty.stderr and "Traceback" not in empty.stderr
 
 
+def test_the_model_with_a_flag_before_or_after_run():
+    ckpt = open_fixture("gpt-oss-bf16")
+    greedy = ["--temperature", "0", "--max-tokens", "4", "--json"]
+    positional = json.loads(run_cli("run", ckpt, "Why is the sky blue?", *greedy).stdout)
+    for args in (["run", "--model", ckpt, "Why is the sky blue?"], ["--model", ckpt, "run", "Why is the sky blue?"]):
+        out = run_cli(*args, *greedy)
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert (result["prompt_token_ids"], result["token_ids"]) == (positional["prompt_token_ids"],
+                                                                     positional["token_ids"])
+    clash = run_cli("run", "--model", ckpt, "other-model", "a question")
+    assert clash.returncode != 0 and "two models" in clash.stderr and "Traceback" not in clash.stderr
+    none = run_cli("run", "--prompt", "hi")
+    assert none.returncode != 0 and "no model" in none.stderr and "Traceback" not in none.stderr
+
+
 def test_no_question_at_a_terminal_says_how_to_give_one(monkeypatch):
     from localchat.app.cli import UserError, _question, build_parser
 
