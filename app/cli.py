@@ -272,8 +272,9 @@ def _default_model() -> str:
 
     gpus = local_gpus()
     if not gpus:
-        raise UserError("no CUDA GPU is visible, and the supported models need one; pass --model DIR with "
-                        "--device cpu for a small local checkpoint, or check the NVIDIA driver (`localchat doctor`)")
+        raise UserError("no CUDA GPU is visible, and the supported models need one; `localchat --model demo` "
+                        "tries the app on the CPU with a tiny built-in model, --model DIR --device cpu runs a small "
+                        "local checkpoint; or check the NVIDIA driver (`localchat doctor`)")
     for name in ("glm-4.5v-fp8", "gpt-oss-120b", "gpt-oss-20b"):
         if REGISTRY[name].plan(gpus).chosen is not None:
             return name
@@ -283,12 +284,13 @@ def _default_model() -> str:
 
 def cmd_serve(args) -> int:
     from .demo import DEMO_NAME, DEMO_NOTE
-    from .ui import is_loopback, serve
+    from .ui import bind_listener, is_loopback, serve
 
     if not is_loopback(args.host) and not (args.auth and args.api_key):
         # Checked before a model loads, so the refusal comes at once.
         raise UserError(f"listening on {args.host} exposes your chats to the network: pass --auth USER:PASSWORD "
                         "(for the page) and --api-key KEY (for /v1), or keep the default 127.0.0.1")
+    sock = bind_listener(args.host, args.port)  # a busy port is said at once, not after the model loads
     if args.backend:
         from .remote import RemoteEngine
 
@@ -307,7 +309,7 @@ def cmd_serve(args) -> int:
     auth = tuple(args.auth.split(":", 1)) if args.auth else None
     note = DEMO_NOTE if args.model == DEMO_NAME and not args.backend else None
     serve(engine, host=args.host, port=args.port, auth=auth, api_key=args.api_key, open_browser=not args.no_browser,
-          demo_note=note)
+          demo_note=note, sock=sock)
     return 0
 
 

@@ -5,8 +5,10 @@ Privacy: analytics off (set before gradio is imported), no share links, theme fo
 """
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
+import socket
 import threading
 import webbrowser
 from pathlib import Path
@@ -170,17 +172,42 @@ def create_app(engine: ChatEngine, history: History, *, auth=None, api_key: str 
         favicon_path=str(ASSETS / "logo.svg") if (ASSETS / "logo.svg").exists() else None)
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) for the server, so that a busy port is reported before a
+    model spends minutes loading (and before the page's address is announced)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"cannot listen on {host}: {e.strerror}; pass --listen with an address of this "
+                         "machine (127.0.0.1 keeps the page on this machine)") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart may reuse the port at once
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is already in use (another localchat?): pass --port with a "
+                             "free port, or stop the program that holds it") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
 def serve(engine: ChatEngine, *, history: History | None = None, host: str = "127.0.0.1", port: int = 7860,
-          auth=None, api_key: str | None = None, open_browser: bool = True, demo_note: str | None = None) -> None:
-    """Run the page and /v1 until interrupted. Beyond loopback both `auth` and `api_key` are required."""
+          auth=None, api_key: str | None = None, open_browser: bool = True, demo_note: str | None = None,
+          sock: socket.socket | None = None) -> None:
+    """Run the page and /v1 until interrupted. Beyond loopback both `auth` and `api_key` are required.
+    sock: bind_listener(host, port) made earlier (else bound here)."""
     import uvicorn
 
     if not is_loopback(host) and (not auth or not api_key):
         raise ValueError(f"Listening on {host} exposes your chats to the network: pass --auth USER:PASSWORD "
                          "(for the page) and --api-key KEY (for /v1), or keep the default 127.0.0.1.")
     app = create_app(engine, history or History(), auth=auth, api_key=api_key, demo_note=demo_note)
+    sock = sock or bind_listener(host, port)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/"
     print(f"localchat: page {url}  API {url}v1  (Ctrl+C stops)")
     if open_browser:
         threading.Timer(1.5, webbrowser.open, args=(url,)).start()
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[sock])

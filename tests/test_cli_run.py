@@ -115,3 +115,15 @@ def test_listening_beyond_localhost_needs_auth_and_a_key():
     out = run_cli("--listen", "0.0.0.0", "--model", "demo", "--no-browser", timeout=60)
     assert out.returncode == 2 and "--auth" in out.stderr and "--api-key" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_busy_port_is_said_before_the_model_loads():
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out = run_cli("--model", "no-such-model-is-loaded", "--port", port, "--no-browser", "--offline", timeout=60)
+    assert out.returncode == 1 and f"port {port}" in out.stderr and "in use" in out.stderr
+    assert "Traceback" not in out.stderr and "page http" not in out.stdout
