@@ -38,5 +38,5 @@ step moe-pairs && timeout "${PAIRS_TESTS_S:-150}" python3 -m pytest -m gpu tests
 step moe-pairs && timeout "${PAIRS_S:-300}" python3 bench/moe_breakdown.py --ts ${PAIRS_TS:-32,16,8,64} --only mxfp4,mxfp4_20b --rows "${PAIRS_ROWS:-half2:16:512:1:3/T/t0/w/d32:512:1:3/P,half2:16:512:1:3/T/t0/w/d16:512:1:3/P,half2:8:512:1:3/T/t0/w/d16:512:1:3/P}" 2>&1 | tee "$OUT/pairs.log"
 step moe-pairs && timeout "${AHEAD_S:-200}" python3 bench/moe_breakdown.py --ts 1,2,4 --only mxfp4,mxfp4_20b --rows "half2:8:256:1:3/w/S,half2:8:256:1:2/S,half2:8:512:1:3/w,half2:8:512:1:3/w/S" 2>&1 | tee "$OUT/scales_ahead.log"
 step attention-prefetch && timeout "${PREFETCH_TESTS_S:-120}" python3 -m pytest -m gpu tests/kernels/test_attention_decode.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/attention_gpu.log" | tail -12
-step attention-prefetch && timeout "${PREFETCH_S:-400}" python3 bench/bench_attention_splits.py ${PREFETCH_ARGS:---batches 1,4,8 --ctx 8192,2048 --splits 0,8,16,32,64 --block-n 64,32 --prefetch 0,1} 2>&1 | tee "$OUT/attention_prefetch.log" | tail -150
+step attention-prefetch && timeout "${PREFETCH_S:-400}" python3 bench/bench_attention_splits.py ${PREFETCH_ARGS:---batches 1,4,8 --ctx 8192,2048 --splits 0,16,32,48,64 --block-n 64,32 --prefetch 0,1} 2>&1 | tee "$OUT/attention_prefetch.log" | tail -150
 exit 0
