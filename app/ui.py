@@ -206,6 +206,7 @@ def serve(engine: ChatEngine, *, history: History | None = None, host: str = "12
                          "(for the page) and --api-key KEY (for /v1), or keep the default 127.0.0.1.")
     app = create_app(engine, history or History(), auth=auth, api_key=api_key, demo_note=demo_note)
     sock = sock or bind_listener(host, port)
+    port = sock.getsockname()[1]  # the one the system chose for --port 0
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/"
     print(f"localchat: page {url}  API {url}v1  (Ctrl+C stops)")
     if open_browser:
