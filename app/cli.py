@@ -173,14 +173,15 @@ def _check_fits(args, model_dir: Path) -> None:
         print(f"localchat: context limited to {args.max_context} tokens to fit GPU memory", file=sys.stderr)
 
 
+def _print_progress(done: int, total: int, file: str) -> None:
+    print(f"\rloading {Path(file).name}: {done / max(total, 1):6.1%}", end="", file=sys.stderr, flush=True)
+
+
 def _load_engine(args, model_dir: Path):
     from ..engine.runtime.engine import Engine
 
     _check_fits(args, model_dir)
-    progress = None
-    if sys.stderr.isatty() and not getattr(args, "json", False):
-        def progress(done, total, file):  # noqa: E306
-            print(f"\rloading {Path(file).name}: {done / max(total, 1):6.1%}", end="", file=sys.stderr, flush=True)
+    progress = _print_progress if sys.stderr.isatty() and not getattr(args, "json", False) else None
     engine = Engine(model_dir, device=args.device, dtype=args.dtype, max_context=args.max_context,
                     on_progress=progress, name=args.model, tp=_tp(args), ep=args.ep, gpus=args.gpus)
     if progress:
