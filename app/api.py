@@ -23,7 +23,7 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -185,10 +185,11 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
                              or not all(isinstance(s, str) and s for s in stop)):
         raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings.", param="stop")
     sampling = SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        # left out: what the checkpoint recommends (as vLLM does), else OpenAI's defaults
+        temperature=_number(body, "temperature", _default(info.sampling.temperature, 1.0), 0.0, 2.0),
         # top_p 0 (allowed by OpenAI) keeps only the most likely token; the sampler's filter needs p > 0.
-        top_p=max(_number(body, "top_p", 1.0, 0.0, 1.0), 1e-6),
-        top_k=int(_number(body, "top_k", 0, 0, 1e9, integer=True)),
+        top_p=max(_number(body, "top_p", _default(info.sampling.top_p, 1.0), 0.0, 1.0), 1e-6),
+        top_k=int(_number(body, "top_k", _default(info.sampling.top_k, 0), 0, 1e9, integer=True)),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-9, 10.0),
         seed=None if body.get("seed") is None else int(_number(body, "seed", 0, -2**63, 2**64, integer=True)),
@@ -272,6 +273,10 @@ def _parse_part(p: object, where: str, role: str, info: ModelInfo, limits: Image
         raise ApiError(400, str(e), param=where, code="invalid_image")
 
 
+def _default(recommended, fallback):
+    return fallback if recommended is None else recommended
+
+
 def _number(body: dict, key: str, default, lo, hi, *, integer: bool = False):
     v = body.get(key)
     if v is None:
@@ -306,12 +311,13 @@ def _failure(final: Final) -> ApiError:
 
 def _model_card(info: ModelInfo, created: int) -> dict:
     """The standard fields, the top-level context_length/family/supports_images that other
-    localchat instances and vLLM-style clients read, and localchat's memory facts under
-    "localchat" (values the engine does not know are left out)."""
+    localchat instances and vLLM-style clients read, and localchat's memory facts and the model's
+    recommended sampling under "localchat" (values the engine does not know are left out)."""
     extra = {"family": info.family, "context_length": info.context_length,
              "supports_images": info.supports_images, "placement": info.placement,
              "weights_bytes": info.weights_bytes or None, "kv_cache_bytes": info.kv_cache_bytes,
-             "kv_cache_tokens": info.kv_cache_tokens, "kv_window_tokens": info.kv_window_tokens}
+             "kv_cache_tokens": info.kv_cache_tokens, "kv_window_tokens": info.kv_window_tokens,
+             "sampling": {k: v for k, v in asdict(info.sampling).items() if v is not None} or None}
     return {"id": info.name, "object": "model", "created": created, "owned_by": "localchat",
             "context_length": info.context_length, "family": info.family,
             "supports_images": info.supports_images,

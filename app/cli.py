@@ -97,20 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sampling(args, model_dir: Path):
+    """The flags, else what the checkpoint recommends (ModelSpec.sampling), else 1.0 / 1.0 / off."""
     from ..engine.runtime.request import SamplingParams
+    from ..engine.spec import ModelSpec
 
-    defaults = {}
-    gen_file = model_dir / "generation_config.json"
-    if gen_file.is_file():
-        gen = json.loads(gen_file.read_text())
-        if gen.get("do_sample") is False:
-            defaults["temperature"] = 0.0
-        for key in ("temperature", "top_p", "top_k"):
-            if key in gen and gen[key] is not None and not (key == "temperature" and "temperature" in defaults):
-                defaults[key] = gen[key]
-    pick = lambda name, default: getattr(args, name) if getattr(args, name) is not None else defaults.get(name, default)  # noqa: E731
+    recommended = ModelSpec.from_dir(model_dir).sampling
+
+    def pick(name: str, fallback):
+        for value in (getattr(args, name), getattr(recommended, name)):
+            if value is not None:
+                return value
+        return fallback
+
     return SamplingParams(temperature=float(pick("temperature", 1.0)), top_p=float(pick("top_p", 1.0)),
-                          top_k=int(pick("top_k", 0) or 0), seed=args.seed, max_tokens=args.max_tokens)
+                          top_k=int(pick("top_k", 0)), seed=args.seed, max_tokens=args.max_tokens)
 
 
 def _request(args, model_dir: Path):

@@ -88,6 +88,13 @@ class ChatSettings:
     reasoning_effort: str = "medium"
 
     @classmethod
+    def recommended(cls, sampling) -> "ChatSettings":
+        """A new chat's settings: the model's recommended sampling (ModelInfo.sampling) where it
+        has one, these defaults elsewhere."""
+        known = {k: v for k, v in asdict(sampling).items() if v is not None and k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    @classmethod
     def from_dict(cls, d: dict) -> "ChatSettings":
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(**known)

@@ -24,6 +24,7 @@ import httpx
 from ..engine.runtime.request import (
     ChatRequest, Delta, Final, ImagePart, Message, ModelInfo, StreamItem, TextPart, Timings,
 )
+from ..engine.spec import SamplingDefaults
 
 DEFAULT_CONTEXT = 32768  # used when the server does not say (OpenAI's model card has no such field)
 _CONTEXT_KEYS = ("max_model_len", "context_length", "max_context_length", "context_window")
@@ -209,7 +210,21 @@ def _model_info(card: dict, base_url: str) -> ModelInfo:
                      reasoning="effort" if gpt_oss else "thinking", placement=placement,
                      weights_bytes=_count(ours.get("weights_bytes")) or 0,
                      kv_cache_bytes=_count(ours.get("kv_cache_bytes")), kv_cache_tokens=_count(ours.get("kv_cache_tokens")),
-                     kv_window_tokens=_count(ours.get("kv_window_tokens")))
+                     kv_window_tokens=_count(ours.get("kv_window_tokens")), sampling=_sampling(ours.get("sampling")))
+
+
+def _sampling(card: object) -> SamplingDefaults:
+    """Another localchat's recommended sampling ("localchat" -> "sampling"); unknown elsewhere."""
+    if not isinstance(card, dict):
+        return SamplingDefaults()
+
+    def number(key: str):
+        value = card.get(key)
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    top_k = number("top_k")
+    return SamplingDefaults(temperature=number("temperature"), top_p=number("top_p"),
+                            top_k=None if top_k is None else int(top_k))
 
 
 def _count(value) -> int | None:

@@ -19,7 +19,7 @@ import fastapi  # noqa: E402
 import gradio as gr  # noqa: E402
 
 from localchat.app.api import create_api  # noqa: E402
-from localchat.app.history import ChatSettings, History  # noqa: E402
+from localchat.app.history import History  # noqa: E402
 from localchat.app.ui_chat import ChatController  # noqa: E402
 from localchat.app.ui_images import ImageLimits  # noqa: E402
 from localchat.app.ui_render import model_markdown  # noqa: E402
@@ -44,7 +44,7 @@ def build_ui(engine: ChatEngine, history: History, *, demo_note: str | None = No
              limits: ImageLimits = ImageLimits()) -> gr.Blocks:
     ctl = ChatController(engine, history, limits)
     info = ctl.info
-    d = ChatSettings()
+    d = ctl.defaults
     with gr.Blocks(title="localchat", analytics_enabled=False, fill_height=True) as demo:
         conv_id = gr.State(None)
         pending = gr.State(False)

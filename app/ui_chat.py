@@ -31,6 +31,7 @@ class ChatController:
     def __init__(self, engine: ChatEngine, history: History, limits: ImageLimits = ImageLimits()):
         self.engine, self.history, self.limits = engine, history, limits
         self.info = engine.info()
+        self.defaults = ChatSettings.recommended(self.info.sampling)  # what a new chat starts from
         self._active: dict[str, object] = {}  # session hash -> engine stream being generated
         self._lock = threading.Lock()
 
@@ -209,12 +210,12 @@ class ChatController:
     def open(self, cid: str | None):
         """Returns (chatbot, conv id, title box, *settings values)."""
         if not self.history.exists(cid):
-            return [[], None, ""] + self.settings_values(ChatSettings())
+            return [[], None, ""] + self.settings_values(self.defaults)
         conv = self.history.get(cid)
         return [render(conv.messages, self.history)[0], cid, conv.title] + self.settings_values(conv.settings)
 
     def new_chat(self):
-        return [[], None, "", gr.Radio(value=None)] + self.settings_values(ChatSettings())
+        return [[], None, "", gr.Radio(value=None)] + self.settings_values(self.defaults)
 
     def search(self, query: str, cid: str | None):
         return self._list_update(cid, query)

@@ -97,6 +97,27 @@ class ImageTokens:
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling the checkpoint recommends (generation_config.json; temperature 0 where it says
+    do_sample false). None where neither the file nor the family says, so callers keep their own."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+    @classmethod
+    def from_generation_config(cls, generation: dict, **family: float) -> "SamplingDefaults":
+        """family: the model family's published recommendation, for what the file leaves out."""
+        values = {key: generation[key] if generation.get(key) is not None else family.get(key)
+                  for key in ("temperature", "top_p", "top_k")}
+        if generation.get("do_sample") is False:
+            values["temperature"] = 0.0
+        return cls(temperature=None if values["temperature"] is None else float(values["temperature"]),
+                   top_p=None if values["top_p"] is None else float(values["top_p"]),
+                   top_k=None if values["top_k"] is None else int(values["top_k"]))
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Text decoder (both families) plus, for GLM, the vision tower and image token ids.
 
@@ -131,6 +152,7 @@ class ModelSpec:
     vision: VisionSpec | None = None
     image_tokens: ImageTokens | None = None
     torch_dtype: str = "bfloat16"
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_moe_layer
@@ -248,6 +270,7 @@ def _glm4v_moe(config: dict, generation: dict) -> ModelSpec:
             video_start=int(config["video_start_token_id"]), video_end=int(config["video_end_token_id"]),
         ),
         torch_dtype=str(config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or "bfloat16"),
+        sampling=SamplingDefaults.from_generation_config(generation),
     )
 
 
@@ -281,4 +304,7 @@ def _gpt_oss(config: dict, generation: dict) -> ModelSpec:
         pad_token_id=config.get("pad_token_id"),
         quant=parse_quant_config(config.get("quantization_config")),
         torch_dtype=str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"),
+        # The checkpoints' generation_config.json sets do_sample only; OpenAI recommends these
+        # (openai/gpt-oss README).
+        sampling=SamplingDefaults.from_generation_config(generation, temperature=1.0, top_p=1.0),
     )

@@ -1,9 +1,8 @@
 import json
-from pathlib import Path
 
 import pytest
 
-from localchat.engine.spec import ModelSpec, UnsupportedModel
+from localchat.engine.spec import ModelSpec, SamplingDefaults, UnsupportedModel
 from localchat.engine.weights.quant_config import UnsupportedQuantization, parse_quant_config
 from localchat.engine.model_configs import CONFIG_DIR
 
@@ -51,6 +50,19 @@ def test_gpt_oss_both_dialects():
     v5["rope_parameters"] = dict(v5.pop("rope_scaling"), rope_theta=v5.pop("rope_theta"))
     assert ModelSpec.from_config(v5) == ModelSpec.from_config(hub)
     assert ModelSpec.from_config(load("gpt-oss-120b.json")).num_layers == 36
+
+
+def test_sampling_defaults_from_generation_config_else_the_family():
+    glm = ModelSpec.from_config(load("glm-4.5v.json"), {"do_sample": True, "temperature": 0.8, "top_p": 0.6,
+                                                         "top_k": 2})
+    assert glm.sampling == SamplingDefaults(temperature=0.8, top_p=0.6, top_k=2)
+    assert ModelSpec.from_config(load("glm-4.5v.json")).sampling == SamplingDefaults()
+    # gpt-oss's file sets do_sample only: OpenAI's recommendation fills in
+    oss = ModelSpec.from_config(load("gpt-oss-20b.json"), {"do_sample": True, "eos_token_id": 200002})
+    assert oss.sampling == SamplingDefaults(temperature=1.0, top_p=1.0, top_k=None)
+    assert ModelSpec.from_config(load("gpt-oss-20b.json"), {"temperature": 0.5}).sampling.temperature == 0.5
+    greedy = ModelSpec.from_config(load("gpt-oss-20b.json"), {"do_sample": False, "temperature": 0.5})
+    assert greedy.sampling.temperature == 0.0
 
 
 def test_unknown_architecture_lists_supported():

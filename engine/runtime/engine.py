@@ -178,7 +178,8 @@ class Engine:
             reasoning="thinking" if self.spec.family == "glm4v_moe" else "effort",
             placement=self.workers.placement if self.workers else str(self.device), weights_bytes=self.weights_bytes,
             kv_cache_bytes=kv_bytes, kv_cache_tokens=self.pool.num_blocks * self.block_size,
-            kv_window_tokens=self.sliding_pool.num_blocks * self.block_size if self.sliding_pool else None)
+            kv_window_tokens=self.sliding_pool.num_blocks * self.block_size if self.sliding_pool else None,
+            sampling=self.spec.sampling)
 
     def submit(self, request: ChatRequest) -> EngineStream:
         """Queues a request; returns its stream at once. Refusals arrive as a Final("error")."""

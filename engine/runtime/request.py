@@ -11,6 +11,8 @@ from typing import Iterator, Literal, Protocol, Union
 
 from PIL import Image
 
+from ..spec import SamplingDefaults
+
 
 @dataclass(frozen=True)
 class TextPart:
@@ -133,7 +135,8 @@ class ModelInfo:
     cache allocated over all devices; kv_cache_tokens: how many tokens its pool holds, shared by
     all running conversations (None: unknown, e.g. behind a remote backend); kv_window_tokens:
     with sliding-window layers (gpt-oss), how many tokens their separate pool holds (it keeps
-    only each conversation's recent tokens; None: no such layers, or unknown)."""
+    only each conversation's recent tokens; None: no such layers, or unknown). sampling: what the
+    checkpoint recommends (new chats and API requests start from it; unknown fields None)."""
 
     name: str
     family: str
@@ -145,6 +148,7 @@ class ModelInfo:
     kv_cache_bytes: int | None = None
     kv_cache_tokens: int | None = None
     kv_window_tokens: int | None = None
+    sampling: SamplingDefaults = SamplingDefaults()
 
 
 class ChatEngine(Protocol):

@@ -13,6 +13,7 @@ from typing import Iterator
 from localchat.engine.runtime.request import (
     ChatRequest, Delta, Final, ImagePart, ModelInfo, StreamItem, TextPart, Timings,
 )
+from localchat.engine.spec import SamplingDefaults
 
 
 class FakeStream:
@@ -65,10 +66,11 @@ class FakeStream:
 class FakeEngine:
     def __init__(self, *, reasoning: str = "thinking", delay: float = 0.01, filler_words: int = 5,
                  thinking_words: tuple[str, ...] = ("Let", "me", "look."), name: str = "fake-glm",
-                 context_length: int = 8192, extra_markdown: str = ""):
+                 context_length: int = 8192, extra_markdown: str = "",
+                 sampling: SamplingDefaults = SamplingDefaults()):
         self.reasoning, self.delay, self.filler_words = reasoning, delay, filler_words
         self.thinking_words, self.name, self.context_length = thinking_words, name, context_length
-        self.extra_markdown = extra_markdown
+        self.extra_markdown, self.sampling = extra_markdown, sampling
         self.requests: list[ChatRequest] = []
         self.streams: list[FakeStream] = []
         self.closed: list[FakeStream] = []
@@ -76,7 +78,8 @@ class FakeEngine:
     def info(self) -> ModelInfo:
         return ModelInfo(name=self.name, family="glm4v_moe" if self.reasoning == "thinking" else "gpt_oss",
                          context_length=self.context_length, supports_images=True,
-                         reasoning=self.reasoning, placement="cpu (fake)", weights_bytes=123_000_000)
+                         reasoning=self.reasoning, placement="cpu (fake)", weights_bytes=123_000_000,
+                         sampling=self.sampling)
 
     def submit(self, request: ChatRequest) -> FakeStream:
         self.requests.append(request)

@@ -12,6 +12,7 @@ from fake_engine import FakeEngine
 from live_server import LiveServer, png_bytes
 from localchat.app.ui import create_app
 from localchat.engine.runtime.request import Final, ImagePart, TextPart
+from localchat.engine.spec import SamplingDefaults
 
 KEY = "sk-local-test"
 
@@ -46,7 +47,24 @@ def test_models_and_plain_completion(api):
     r = client.chat.completions.create(model="fake-glm", messages=[{"role": "user", "content": "hi"}],
                                        max_completion_tokens=4, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].finish_reason == "length" and engine.requests[-1].thinking is False
+    s = engine.requests[-1].sampling  # no recommendation from the model: OpenAI's defaults
+    assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 0) and "sampling" not in extra
     assert "reasoning_content" not in r.choices[0].message.model_extra
+
+
+def test_left_out_sampling_is_the_models_recommendation(history):
+    engine = FakeEngine(sampling=SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20))
+    with LiveServer(create_app(engine, history)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "v1", api_key="unused", max_retries=0)
+        assert client.models.list().data[0].model_extra["localchat"]["sampling"] == \
+            {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+        client.chat.completions.create(model="fake-glm", messages=[{"role": "user", "content": "hi"}])
+        s = engine.requests[-1].sampling
+        assert (s.temperature, s.top_p, s.top_k) == (0.6, 0.95, 20)
+        client.chat.completions.create(model="fake-glm", messages=[{"role": "user", "content": "hi"}],
+                                       temperature=0.0, top_p=0.5, extra_body={"top_k": 0})
+        s = engine.requests[-1].sampling
+        assert (s.temperature, s.top_p, s.top_k) == (0.0, 0.5, 0)
 
 
 def test_streaming_with_image_part_and_usage(api):

@@ -1,5 +1,4 @@
 """Grounding boxes: labels in the answer text, drawing on the image, and the rendered chat."""
-import io
 
 from PIL import Image
 

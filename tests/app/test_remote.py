@@ -10,6 +10,7 @@ from localchat.app.ui import create_app
 from localchat.engine.runtime.request import (
     ChatRequest, Delta, Final, ImagePart, Message, SamplingParams, TextPart, Timings,
 )
+from localchat.engine.spec import SamplingDefaults
 
 KEY = "sk-remote-test"
 
@@ -52,6 +53,10 @@ def test_info_from_a_plain_openai_card_leaves_memory_unknown():
                        "http://h:8000/v1")
     assert (full.kv_cache_bytes, full.kv_cache_tokens, full.weights_bytes) == (25_165_824, 16384, 0)
     assert full.kv_window_tokens == 2048 and info.kv_window_tokens is None
+    assert info.sampling == SamplingDefaults() and full.sampling == SamplingDefaults()
+    tuned = _model_info({"id": "demo", "localchat": {"sampling": {"temperature": 0.8, "top_k": 40, "top_p": "x"}}},
+                        "http://h:8000/v1")
+    assert tuned.sampling == SamplingDefaults(temperature=0.8, top_p=None, top_k=40)
 
 
 def test_streams_text_reasoning_and_usage_with_sampling_params(server):

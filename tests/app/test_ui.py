@@ -6,10 +6,11 @@ from gradio_client import Client, handle_file
 
 from live_server import LiveServer, png_bytes
 from fake_engine import FakeEngine
-from localchat.app.history import STOPPED
+from localchat.app.history import STOPPED, ChatSettings
 from localchat.app.ui import build_ui, create_app, is_loopback, serve
 from localchat.app.ui_images import ImageLimits
 from localchat.engine.runtime.request import ImagePart
+from localchat.engine.spec import SamplingDefaults
 
 
 def _text(msg: dict) -> str:
@@ -170,6 +171,19 @@ def test_generator_closed_by_browser_disconnect_aborts_engine(history):
     gen.close()  # what gradio does to a running generator when its event is cancelled
     assert engine.streams[-1] in engine.closed
     assert history.get(cid).messages[-1].status == STOPPED
+
+
+def test_a_new_chat_starts_from_the_models_recommended_sampling(history):
+    recommended = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20)
+    ctl = build_ui(FakeEngine(sampling=recommended), history).localchat_controller
+    settings = ["", 0.6, 0.95, 20, ChatSettings().max_tokens, -1, True, "medium"]
+    assert ctl.new_chat()[4:] == settings and ctl.open(None)[3:] == settings
+    # a stored chat keeps its own settings; a model that recommends nothing gets localchat's defaults
+    ctl.send({"text": "hi", "files": []}, None, "", 1.3, 0.5, 0, 64, -1, True, "medium")
+    cid = history.list()[0][0]
+    assert ctl.open(cid)[4:7] == [1.3, 0.5, 0]
+    plain = build_ui(FakeEngine(), history).localchat_controller
+    assert plain.new_chat()[4:] == plain.settings_values(ChatSettings())
 
 
 def test_non_loopback_needs_auth_and_key(engine, history):
