@@ -192,6 +192,8 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
         top_k=int(_number(body, "top_k", _default(info.sampling.top_k, 0), 0, 1e9, integer=True)),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-9, 10.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         seed=None if body.get("seed") is None else int(_number(body, "seed", 0, -2**63, 2**64, integer=True)),
         max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else int(
             _number(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",

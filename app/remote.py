@@ -98,6 +98,10 @@ class RemoteEngine:
             body["top_k"] = sp.top_k
         if sp.min_p:
             body["min_p"] = sp.min_p
+        if sp.presence_penalty:
+            body["presence_penalty"] = sp.presence_penalty
+        if sp.frequency_penalty:
+            body["frequency_penalty"] = sp.frequency_penalty
         if sp.repetition_penalty != 1.0:
             body["repetition_penalty"] = sp.repetition_penalty
         return body

@@ -1,7 +1,9 @@
 import torch
 
 from localchat.engine.runtime.request import SamplingParams
-from localchat.engine.runtime.sampling import Sampler, apply_repetition_penalty, filter_logits
+from localchat.engine.runtime.sampling import (
+    Sampler, apply_presence_frequency, apply_repetition_penalty, filter_logits, sample_tokens,
+)
 
 
 def test_greedy_is_argmax():
@@ -43,3 +45,23 @@ def test_sampling_never_picks_filtered_tokens():
 def test_repetition_penalty():
     out = apply_repetition_penalty(torch.tensor([2.0, -2.0, 1.0]), torch.tensor([0, 1]), 2.0)
     assert out.tolist() == [1.0, -4.0, 1.0]
+
+
+def test_presence_and_frequency_penalties_count_the_generated_tokens():
+    logits = torch.tensor([3.0, 2.875, 1.0, -1.0])  # values exact in float32
+    out = apply_presence_frequency(logits, torch.tensor([0, 0, 3]), presence=0.5, frequency=0.25)
+    assert out.tolist() == [3.0 - 0.5 - 2 * 0.25, 2.875, 1.0, -1.0 - 0.5 - 0.25]
+    # the prompt's ids (the first prompt_len of the context) do not count; the repetition penalty's do
+    context = torch.tensor([1, 1, 0])  # prompt [1, 1], then 0 generated
+    greedy = SamplingParams(temperature=0, presence_penalty=0.2)
+    assert Sampler(greedy, prompt_len=2)(logits, context) == 1  # 3.0 - 0.2 < 2.875
+    assert Sampler(greedy, prompt_len=3)(logits, context) == 0  # nothing generated yet
+    assert Sampler(SamplingParams(temperature=0, frequency_penalty=-1.0), prompt_len=2)(logits, context) == 0
+    rows = [SamplingParams(temperature=0, frequency_penalty=0.2), SamplingParams(temperature=0),
+            SamplingParams(temperature=0.7, presence_penalty=1.5, seed=3)]
+    batch = torch.stack([logits, logits, torch.randn(4)])
+    samplers = [Sampler(p, prompt_len=2) for p in rows]
+    contexts = [context, None, context]
+    assert sample_tokens(batch, samplers, contexts) == \
+        [sample_tokens(batch[i:i + 1], [Sampler(p, prompt_len=2)], [contexts[i]])[0] for i, p in enumerate(rows)]
+    assert sample_tokens(batch, samplers, contexts)[:2] == [1, 0]

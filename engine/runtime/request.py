@@ -56,13 +56,17 @@ class Message:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters."""
+    """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters. presence_penalty
+    and frequency_penalty (OpenAI's, 0: off) count the generated tokens only; repetition_penalty
+    (1.0: off) the whole context."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     max_tokens: int = 1024
     stop: tuple[str, ...] = ()

@@ -1,5 +1,6 @@
 """Next-token choice for a whole step at once: greedy, or temperature with top-k / top-p / min-p
-filters and a repetition penalty, each row with its own settings and its own seeded generator.
+filters, and the repetition, presence and frequency penalties, each row with its own settings and
+its own seeded generator.
 
 The rows of a step are filtered together on the device and the chosen ids come back to the host
 in one transfer, so a step of 32 sequences costs one synchronisation, not 32.
@@ -20,6 +21,17 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     logits = logits.clone()
     logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
     return logits
+
+
+def apply_presence_frequency(logits: torch.Tensor, generated: torch.Tensor, presence: float,
+                             frequency: float) -> torch.Tensor:
+    """logits [V]; generated: the ids sampled so far. OpenAI's penalties: logit_j - c_j * frequency
+    - (c_j > 0) * presence, c_j the count of token j among them (platform.openai.com, "Parameter
+    details" of the Chat Completions guide)."""
+    if (presence == 0.0 and frequency == 0.0) or generated.numel() == 0:
+        return logits
+    counts = torch.bincount(generated, minlength=logits.shape[-1]).to(logits.dtype)
+    return logits - counts * frequency - (counts > 0).to(logits.dtype) * presence
 
 
 def filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -49,10 +61,13 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 class Sampler:
-    """One per request: its settings and its random generator (seeded when the request says so)."""
+    """One per request: its settings and its random generator (seeded when the request says so).
+    prompt_len: how many leading context ids are the prompt (not counted by the presence and
+    frequency penalties)."""
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu", prompt_len: int = 0):
         self.params = params
+        self.prompt_len = prompt_len
         self.generator = None
         if params.temperature > 0:
             self.generator = torch.Generator(device=device)
@@ -65,14 +80,26 @@ class Sampler:
     def greedy(self) -> bool:
         return self.params.temperature <= 0
 
+    @property
+    def penalised(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+    def penalise(self, logits: torch.Tensor, context_ids: torch.Tensor) -> torch.Tensor:
+        """logits [V] float32 -> with this request's penalties over context_ids (prompt, then generated)."""
+        p = self.params
+        logits = apply_repetition_penalty(logits, context_ids, p.repetition_penalty)
+        return apply_presence_frequency(logits, context_ids[self.prompt_len:], p.presence_penalty,
+                                        p.frequency_penalty)
+
     def __call__(self, logits: torch.Tensor, context_ids: torch.Tensor) -> int:
         """logits [V] float32; context_ids: prompt and generated ids so far."""
         return sample_tokens(logits[None], [self], [context_ids])[0]
 
 
 def sample_tokens(logits: torch.Tensor, samplers: list[Sampler], contexts: list[torch.Tensor | None]) -> list[int]:
-    """logits [B, V] (any float dtype); samplers[b] and contexts[b] (ids for the repetition
-    penalty, or None) belong to row b. Returns the B chosen ids."""
+    """logits [B, V] (any float dtype); samplers[b] and contexts[b] (the ids so far, for the
+    penalties, or None) belong to row b. Returns the B chosen ids."""
     return choose_tokens(logits, samplers, contexts).tolist()
 
 
@@ -86,13 +113,11 @@ def choose_tokens(logits: torch.Tensor, samplers: list[Sampler], contexts: list[
     """sample_tokens, leaving the chosen ids [B] int64 on the logits' device: every operation is
     queued behind the step that produces the logits, and nothing waits for it."""
     logits = logits.to(torch.float32)
-    penalised = [b for b, s in enumerate(samplers) if s.params.repetition_penalty != 1.0]
+    penalised = [b for b, s in enumerate(samplers) if s.penalised and contexts[b] is not None]
     if penalised:
         logits = logits.clone()
         for b in penalised:
-            ctx = contexts[b]
-            if ctx is not None:
-                logits[b] = apply_repetition_penalty(logits[b], ctx, samplers[b].params.repetition_penalty)
+            logits[b] = samplers[b].penalise(logits[b], contexts[b])
     rows = [b for b, s in enumerate(samplers) if not s.greedy]
     choice = logits.argmax(dim=-1) if len(rows) < len(samplers) else None
     if rows:

@@ -108,7 +108,7 @@ class Sequence:
         self.vision_planned = False
         self.reused_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.clock = SeqClock()
-        self._penalty_ctx = stream.request.sampling.repetition_penalty != 1.0
+        self._penalty_ctx = sampler.penalised
 
     def __hash__(self) -> int:
         return self.seq_id
@@ -168,11 +168,11 @@ class Sequence:
 
     @property
     def needs_context(self) -> bool:
-        """Whether choosing its next token reads the ids so far (the repetition penalty)."""
+        """Whether choosing its next token reads the ids so far (a penalty)."""
         return self._penalty_ctx
 
     def penalty_context(self, device) -> torch.Tensor | None:
-        """The ids the repetition penalty looks at, or None when the request has no penalty."""
+        """The ids the penalties look at (prompt, then generated), or None when the request has none."""
         if not self._penalty_ctx:
             return None
         return torch.tensor(self.tokens, dtype=torch.long, device=device)

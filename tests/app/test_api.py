@@ -34,7 +34,7 @@ def test_models_and_plain_completion(api):
     assert "kv_cache_bytes" not in extra and "kv_cache_tokens" not in extra and "kv_window_tokens" not in extra
     r = client.chat.completions.create(
         model="fake-glm", messages=[{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"}],
-        temperature=0.3, top_p=0.9, max_tokens=50, stop=["zzz"], seed=7)
+        temperature=0.3, top_p=0.9, max_tokens=50, stop=["zzz"], seed=7, presence_penalty=0.5, frequency_penalty=-1)
     msg = r.choices[0].message
     assert msg.content == "Seen 0 image(s). You said: hi w0 w1 w2 w3 w4 w5"
     assert msg.model_extra["reasoning_content"] == "Let me look. "
@@ -43,6 +43,7 @@ def test_models_and_plain_completion(api):
     assert r.usage.completion_tokens == 10 and r.usage.total_tokens == r.usage.prompt_tokens + 10
     s = engine.requests[-1].sampling
     assert (s.temperature, s.top_p, s.max_tokens, s.stop, s.seed) == (0.3, 0.9, 50, ("zzz",), 7)
+    assert (s.presence_penalty, s.frequency_penalty) == (0.5, -1)
     assert [m.role for m in engine.requests[-1].messages] == ["system", "user"]
     r = client.chat.completions.create(model="fake-glm", messages=[{"role": "user", "content": "hi"}],
                                        max_completion_tokens=4, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
@@ -104,6 +105,7 @@ def test_errors_use_openai_format(api):
              ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
              ({"messages": [{"role": "user", "content": "x"}], "stop": {"a": 1}}, "stop"),
              ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+             ({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 2.5}, "frequency_penalty"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
               "messages[0].content[0]")]
     for body, param in cases:

@@ -64,13 +64,14 @@ def test_streams_text_reasoning_and_usage_with_sampling_params(server):
     remote = RemoteEngine(url.removesuffix("/v1"), api_key=KEY)  # a bare host gets /v1
     text, reasoning, final = collect(remote.submit(ask(
         "hi", temperature=0.3, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1, seed=7,
-        max_tokens=50, stop=("zzz",))))
+        max_tokens=50, stop=("zzz",), presence_penalty=0.5, frequency_penalty=-0.25)))
     assert reasoning == "Let me look. " and text == "Seen 0 image(s). You said: hi w0 w1 w2 w3 w4 w5"
     assert final.finish_reason == "stop" and final.completion_tokens == 10 and final.prompt_tokens == 1
     assert final.timings.ttft > 0 and final.error is None
     s = engine.requests[-1].sampling
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty, s.seed, s.max_tokens, s.stop) == \
         (0.3, 0.9, 20, 0.05, 1.1, 7, 50, ("zzz",))
+    assert (s.presence_penalty, s.frequency_penalty) == (0.5, -0.25)
     assert engine.requests[-1].thinking is True
 
 

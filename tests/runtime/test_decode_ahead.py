@@ -119,6 +119,16 @@ def test_repetition_penalty_runs_one_step_at_a_time(oss):
     _close([one_by_one, ahead])
 
 
+def test_presence_and_frequency_penalties_run_one_step_at_a_time_and_change_the_answer(oss):
+    plain = chat(("user", QUESTIONS[3]), max_tokens=12)
+    request = chat(("user", QUESTIONS[3]), max_tokens=12, presence_penalty=2.0, frequency_penalty=1.0)
+    one_by_one, ahead = _engines(oss, block_size=4)
+    penalised = _run(ahead, [request])
+    assert penalised == _run(one_by_one, [request]) and penalised != _run(one_by_one, [plain])
+    assert ahead.counters()["ahead_steps"] == 0
+    _close([one_by_one, ahead])
+
+
 def test_choosing_on_the_device_matches_sampling_alone():
     logits = torch.randn(4, 257)
     params = [SamplingParams(temperature=0.8, top_k=30, seed=1), SamplingParams(temperature=1.2, seed=2),
