@@ -318,7 +318,13 @@ def main(argv: list[str] | None = None) -> int:
     from ..engine.hub_errors import HubError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "run" and args.question is None and len(extra) == 1 and not extra[0].startswith("-"):
+        # argparse fills run's positionals from their first run of words only, so a question after
+        # options (`run MODEL --image a.png "What is it?"`) comes back here
+        args.question = extra[0]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except UserError as e:

@@ -57,11 +57,14 @@ def test_the_question_after_the_model_or_on_standard_input():
     with_flag = json.loads(run_cli("run", ckpt, "--prompt", "Why is the sky blue?", *greedy).stdout)
     positional = run_cli("run", ckpt, "Why is the sky blue?", *greedy)
     piped = run_cli("run", ckpt, *greedy, stdin="Why is the sky blue?\n")
-    for out in (positional, piped):
+    after_options = run_cli("run", ckpt, *greedy, "Why is the sky blue?")
+    for out in (positional, piped, after_options):
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
         assert result["prompt_token_ids"] == with_flag["prompt_token_ids"]
         assert result["token_ids"] == with_flag["token_ids"]
+    extra = run_cli("run", ckpt, "one", "--json", "two")
+    assert extra.returncode == 2 and "unrecognized arguments: two" in extra.stderr
     twice = run_cli("run", ckpt, "one", "--prompt", "two")
     assert twice.returncode != 0 and "twice" in twice.stderr and "Traceback" not in twice.stderr
     empty = run_cli("run", ckpt, stdin="  \n")
