@@ -263,6 +263,10 @@ def cmd_run(args) -> int:
         }))
     else:
         print()
+        if final.finish_reason == "length" and not "".join(text).strip() and "".join(reasoning).strip():
+            shown = "" if args.show_reasoning else " (--show-reasoning prints its reasoning)"
+            print(f"localchat: no answer yet: --max-tokens {args.max_tokens} ran out while the model was still "
+                  f"thinking{shown}; raise --max-tokens", file=sys.stderr)
     return 0
 
 

@@ -51,6 +51,14 @@ def test_run_streams_plain_text():
     assert out.stdout.endswith("\n")
 
 
+def test_an_answer_cut_off_while_thinking_says_so():
+    out = run_cli("run", "demo", "hi", "--temperature", "0", "--max-tokens", "3")
+    assert out.returncode == 0 and out.stdout.strip() == ""
+    assert "--max-tokens 3 ran out while the model was still thinking" in out.stderr
+    room = run_cli("run", "demo", "hi", "--temperature", "0", "--max-tokens", "40", "--json")
+    assert json.loads(room.stdout)["text"] and "ran out" not in room.stderr
+
+
 def test_the_question_after_the_model_or_on_standard_input():
     ckpt = open_fixture("gpt-oss-bf16")
     greedy = ["--temperature", "0", "--max-tokens", "6", "--json"]
