@@ -48,6 +48,8 @@ def render(messages: list[StoredMessage], history: History) -> tuple[list[dict],
         if text or not m.reasoning:
             add({"role": "assistant", "content": text or ("…" if live else _EMPTY.get(m.status, "(no answer)"))},
                 m.position)
+        elif not live and m.stats.get("finish_reason") == "length":
+            add({"role": "assistant", "content": CUT_WHILE_THINKING}, m.position)
         # Drawn once the answer is complete: mid-stream the box list is still growing.
         drawn = None if live else boxes_message(history, boxes, turn_images, earlier_images)
         if drawn is not None:
@@ -60,6 +62,8 @@ def render(messages: list[StoredMessage], history: History) -> tuple[list[dict],
 
 
 _EMPTY = {STOPPED: "(stopped before the answer began)", INTERRUPTED: "(interrupted before the answer began)"}
+CUT_WHILE_THINKING = ("(The answer's token limit ran out while the model was still thinking, before its answer "
+                      "began: raise Max answer tokens in Settings, then Retry.)")
 
 
 def answer_stats(final: Final | None, context_length: int, thinking_s: float | None) -> dict:
@@ -80,6 +84,8 @@ def status_line(m: StoredMessage) -> tuple[str, str]:
     # Words, not symbols: emoji fonts are missing on many Linux desktops.
     mark = {DONE: "", STOPPED: "stopped · ", INTERRUPTED: "interrupted · ", ERROR: "error · "}
     head = mark.get(m.status, "")
+    if m.stats.get("finish_reason") == "length":
+        head += "cut at max tokens · "
     if "prompt_tokens" not in s:
         return head.rstrip(" ·") or "no statistics", "The answer ended before the engine reported timings."
     ttft = s["image_encode_s"] + s["prefill_s"] + s["first_token_s"]
