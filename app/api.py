@@ -30,12 +30,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
+from localchat.app.history import ANSWER_TOKENS
 from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_image
 from localchat.engine.runtime.request import (
     ChatEngine, ChatRequest, Delta, Final, Message, ModelInfo, RequestStream, SamplingParams, TextPart,
 )
 
-DEFAULT_MAX_TOKENS = 4096
+DEFAULT_MAX_TOKENS = ANSWER_TOKENS
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<b64>.*)$", re.S)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

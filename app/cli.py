@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from .history import ANSWER_TOKENS
+
 
 class UserError(Exception):
     """A problem the user can fix; printed as one line, exit status 2."""
@@ -73,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--image", action="append", default=[], metavar="PATH",
                      help="an image to ask about (repeat for several; they come before the text, in order)")
     run.add_argument("--system", default=None, help="a system prompt")
-    run.add_argument("--max-tokens", type=int, default=1024)
+    run.add_argument("--max-tokens", type=int, default=ANSWER_TOKENS,
+                     help=f"the most answer tokens, reasoning included (default {ANSWER_TOKENS}, capped by the context)")
     run.add_argument("--temperature", type=float, default=None,
                      help="0 for greedy (default: the checkpoint's generation_config, else 1.0)")
     run.add_argument("--top-p", type=float, default=None)

@@ -27,6 +27,10 @@ from PIL import Image
 
 
 SCHEMA_VERSION = 1
+# The answer budget a chat, an API request or `localchat run` gets unless told otherwise: both
+# families reason before they answer, often for a few thousand tokens, and the engine caps any
+# budget at the room the context has left.
+ANSWER_TOKENS = 8192
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -82,7 +86,7 @@ class ChatSettings:
     temperature: float = 0.7
     top_p: float = 1.0
     top_k: int = 0
-    max_tokens: int = 2048
+    max_tokens: int = ANSWER_TOKENS
     seed: int | None = None
     thinking: bool = True
     reasoning_effort: str = "medium"

@@ -20,7 +20,7 @@ import gradio as gr  # noqa: E402
 
 from localchat.app.api import create_api  # noqa: E402
 from localchat.app.history import History  # noqa: E402
-from localchat.app.ui_chat import ChatController  # noqa: E402
+from localchat.app.ui_chat import ChatController, max_answer_tokens  # noqa: E402
 from localchat.app.ui_images import ImageLimits  # noqa: E402
 from localchat.app.ui_render import model_markdown  # noqa: E402
 from localchat.engine.runtime.request import ChatEngine  # noqa: E402
@@ -80,7 +80,7 @@ def build_ui(engine: ChatEngine, history: History, *, demo_note: str | None = No
                 top_p = gr.Slider(0.01, 1, value=d.top_p, step=0.01, label="Top-p")
                 top_k = gr.Slider(0, 200, value=d.top_k, step=1, label="Top-k (0 = off)")
             with gr.Row():
-                max_tokens = gr.Slider(16, min(32768, info.context_length), value=d.max_tokens, step=16,
+                max_tokens = gr.Slider(16, max_answer_tokens(info), value=d.max_tokens, step=16,
                                        label="Max answer tokens")
                 seed = gr.Number(value=-1, precision=0, label="Seed (-1 = random)")
             thinking = gr.Checkbox(value=d.thinking, label="Thinking", visible=info.reasoning == "thinking")

@@ -27,11 +27,18 @@ SETTINGS_FIELDS = ("system_prompt", "temperature", "top_p", "top_k", "max_tokens
                    "thinking", "reasoning_effort")
 
 
+def max_answer_tokens(info) -> int:
+    """The top of the page's answer-budget slider: the context, at most 32768."""
+    return min(32768, info.context_length)
+
+
 class ChatController:
     def __init__(self, engine: ChatEngine, history: History, limits: ImageLimits = ImageLimits()):
         self.engine, self.history, self.limits = engine, history, limits
         self.info = engine.info()
-        self.defaults = ChatSettings.recommended(self.info.sampling)  # what a new chat starts from
+        # what a new chat starts from; its answer budget within the slider's range (the context)
+        recommended = ChatSettings.recommended(self.info.sampling)
+        self.defaults = replace(recommended, max_tokens=min(recommended.max_tokens, max_answer_tokens(self.info)))
         self._active: dict[str, object] = {}  # session hash -> engine stream being generated
         self._lock = threading.Lock()
 
@@ -57,9 +64,10 @@ class ChatController:
                             seed=None if seed in (None, "") or int(seed) < 0 else int(seed),
                             thinking=bool(d["thinking"]), reasoning_effort=d["reasoning_effort"] or "medium")
 
-    @staticmethod
-    def settings_values(s: ChatSettings) -> list:
-        return [s.system_prompt, s.temperature, s.top_p, s.top_k, s.max_tokens,
+    def settings_values(self, s: ChatSettings) -> list:
+        """The settings widgets' values; a stored answer budget above the slider's range (a chat
+        from a longer context) shows at its top."""
+        return [s.system_prompt, s.temperature, s.top_p, s.top_k, min(s.max_tokens, max_answer_tokens(self.info)),
                 -1 if s.seed is None else s.seed, s.thinking, s.reasoning_effort]
 
     def _request(self, cid: str) -> ChatRequest:

@@ -184,6 +184,9 @@ def test_a_new_chat_starts_from_the_models_recommended_sampling(history):
     assert ctl.open(cid)[4:7] == [1.3, 0.5, 0]
     plain = build_ui(FakeEngine(), history).localchat_controller
     assert plain.new_chat()[4:] == plain.settings_values(ChatSettings())
+    # the answer budget stays within the context (the slider's range)
+    short = build_ui(FakeEngine(context_length=4096), history).localchat_controller
+    assert ChatSettings().max_tokens > 4096 and short.defaults.max_tokens == 4096
 
 
 def test_non_loopback_needs_auth_and_key(engine, history):
