@@ -161,6 +161,9 @@ def create_app(engine: ChatEngine, history: History, *, auth=None, api_key: str 
     """One FastAPI app: /v1 (OpenAI-compatible) first, the Gradio page at /."""
     app = fastapi.FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(create_api(engine, api_key=api_key, limits=limits))
+    # Liveness for process managers and load balancers (vLLM and SGLang answer the same path); it
+    # says nothing about the chats, so it needs no key.
+    app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
     demo = build_ui(engine, history, demo_note=demo_note, limits=limits)
     css = ASSETS / "style.css"
     return gr.mount_gradio_app(

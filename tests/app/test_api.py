@@ -130,6 +130,12 @@ def test_api_key_required_when_set(api):
         bad.chat.completions.create(model="fake-glm", messages=[{"role": "user", "content": "x"}])
 
 
+def test_health_answers_without_a_key(api):
+    _, _, srv = api
+    r = httpx.get(srv.url + "health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
 def test_no_key_needed_on_loopback_without_key(history):
     with LiveServer(create_app(FakeEngine(), history)) as srv:
         assert httpx.get(srv.url + "v1/models").json()["data"][0]["id"] == "fake-glm"
