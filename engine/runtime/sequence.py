@@ -80,7 +80,7 @@ class SeqClock:
 
 
 class Sequence:
-    def __init__(self, seq_id: int, stream: EngineStream, prompt: Prompt, sampler: Sampler,
+    def __init__(self, seq_id: int, stream: EngineStream, prompt: Prompt, sampler: Sampler | None,
                  text: TextAssembler, *, limit: int, eos_ids: tuple[int, ...], block_size: int,
                  spans: list[ImageSpan], mrope: tuple[torch.Tensor, int] | None):
         """limit: the most tokens (prompt + generated) this sequence may reach.
@@ -108,7 +108,7 @@ class Sequence:
         self.vision_planned = False
         self.reused_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.clock = SeqClock()
-        self._penalty_ctx = sampler.penalised
+        self._penalty_ctx = sampler is not None and sampler.penalised  # None: a sequence only scheduled, never sampled
 
     def __hash__(self) -> int:
         return self.seq_id
