@@ -26,8 +26,8 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 def apply_presence_frequency(logits: torch.Tensor, generated: torch.Tensor, presence: float,
                              frequency: float) -> torch.Tensor:
     """logits [V]; generated: the ids sampled so far. OpenAI's penalties: logit_j - c_j * frequency
-    - (c_j > 0) * presence, c_j the count of token j among them (platform.openai.com, "Parameter
-    details" of the Chat Completions guide)."""
+    - (c_j > 0) * presence, c_j how often token j was sampled before this position
+    (platform.openai.com/docs/api-reference/parameter-details)."""
     if (presence == 0.0 and frequency == 0.0) or generated.numel() == 0:
         return logits
     counts = torch.bincount(generated, minlength=logits.shape[-1]).to(logits.dtype)
