@@ -10,7 +10,7 @@ import time
 import pytest
 
 from live_server import png_bytes
-from localchat.app.history import DONE, INTERRUPTED, ChatSettings, History
+from localchat.app.history import DONE, INTERRUPTED, PARTIAL, ChatSettings, History
 
 
 def test_crud_settings_and_restart(tmp_path):
@@ -143,3 +143,19 @@ def test_sigkill_mid_answer_loses_only_the_answer_in_flight(tmp_path):
                                           "answer 2", "question 3"]
     assert all(m.status == DONE for m in msgs[:7])
     assert len(msgs) == 8 and msgs[7].status == INTERRUPTED and msgs[7].text.startswith(" tok0 tok1")
+
+
+def test_a_second_server_on_the_same_data_dir_leaves_the_first_ones_answer_alone(tmp_path):
+    first = History(tmp_path)
+    cid = first.create(title="busy")
+    first.add_message(cid, "user", "hi")
+    mid = first.begin_answer(cid)
+    second = History(tmp_path)  # another localchat opening the dir while the first generates
+    assert second.get(cid).messages[-1].status == PARTIAL
+    first.finish_answer(mid, "done now", "", {}, DONE)
+    assert second.get(cid).messages[-1].status == DONE
+    # a dir whose openers are all gone: a leftover partial answer is one that was cut short
+    first.begin_answer(cid)
+    first.close()
+    second.close()
+    assert History(tmp_path).get(cid).messages[-1].status == INTERRUPTED
