@@ -37,7 +37,11 @@ document.addEventListener('keydown', (e) => {
   }
 });
 </script>"""
-DARK_TOGGLE_JS = "() => { document.body.classList.toggle('dark'); }"
+# The choice is kept in the browser (localStorage) and put back on every load, over the system's.
+DARK_TOGGLE_JS = ("() => { const dark = document.body.classList.toggle('dark');"
+                  " localStorage.setItem('localchat-theme', dark ? 'dark' : 'light'); }")
+THEME_RESTORE_JS = ("() => { const theme = localStorage.getItem('localchat-theme');"
+                    " if (theme) document.body.classList.toggle('dark', theme === 'dark'); }")
 
 
 def build_ui(engine: ChatEngine, history: History, *, demo_note: str | None = None,
@@ -126,6 +130,7 @@ def build_ui(engine: ChatEngine, history: History, *, demo_note: str | None = No
         dark_btn.click(None, js=DARK_TOGGLE_JS)
         # Other tabs may have added chats: refresh the list whenever a page loads.
         demo.load(ctl.search, [query, conv_id], [chats], api_visibility="private")
+        demo.load(None, js=THEME_RESTORE_JS)
     demo.queue(default_concurrency_limit=8)
     demo.localchat_controller = ctl  # tests and the CLI reach the handlers through it
     return demo

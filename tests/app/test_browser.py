@@ -176,5 +176,18 @@ def test_browser_markdown_and_new_chat_shortcut(history, tmp_path):
             while "w39" in _chat_text(page):
                 assert time.time() - t < 5, "Ctrl+Shift+O should start a new chat"
                 time.sleep(0.05)
+
+            page.reload()  # the dark-mode choice outlives the page
+            page.wait_for_selector("#lc-input textarea", timeout=30_000)
+            t = time.time()
+            while not page.evaluate("document.body.classList.contains('dark')"):
+                assert time.time() - t < 10, "dark mode should come back after a reload"
+                time.sleep(0.05)
+            page.get_by_role("button", name="Dark mode").click()
+            page.reload()
+            page.wait_for_selector("#lc-input textarea", timeout=30_000)
+            time.sleep(0.5)
+            assert page.evaluate("localStorage.getItem('localchat-theme')") == "light"
+            assert not page.evaluate("document.body.classList.contains('dark')")
         finally:
             browser.close()
