@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from localchat.app.history import ANSWER_TOKENS
+from localchat.app.defaults import ANSWER_TOKENS
 from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_image
 from localchat.engine.runtime.request import (
     ChatEngine, ChatRequest, Delta, Final, Message, ModelInfo, RequestStream, SamplingParams, TextPart,

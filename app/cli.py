@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .history import ANSWER_TOKENS
+from .defaults import ANSWER_TOKENS
 
 
 class UserError(Exception):

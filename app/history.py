@@ -25,12 +25,10 @@ from pathlib import Path
 import platformdirs
 from PIL import Image
 
+from .defaults import ANSWER_TOKENS
+
 
 SCHEMA_VERSION = 1
-# The answer budget a chat, an API request or `localchat run` gets unless told otherwise: both
-# families reason before they answer, often for a few thousand tokens, and the engine caps any
-# budget at the room the context has left.
-ANSWER_TOKENS = 8192
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
