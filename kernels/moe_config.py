@@ -155,7 +155,13 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
         if tma and num_pairs >= 16:
             # words and scales through the TMA engine from 4 tokens (gpt-oss): 2-6% faster than the
             # pointer kernels at 4-32 tokens, slower at 1-2 (bench/NOTES-moe.md); down on 32 rows
-            # from 64 pairs
+            # from 64 pairs. From 3/4 of a pair per expert, pairs of one expert two to a program
+            # (moe_gemv_pairs.py, down on 16 rows): gpt-oss-120b at 24 / 32 tokens 3% / 6% shorter,
+            # even at 16, slower at 8 (bench/NOTES-moe.md, "Two pairs of one expert per program on
+            # the TMA loads")
+            if per_expert >= 0.75:
+                return MoeConfig(2, 16, 512, 1, 3, gemv=True, mx_half2=True, wide_x=True, tma=True, tma_down=True,
+                                 tail_k=0, down_tile=(16, 512, 1, 3))
             return MoeConfig(1, 16, 512, 1, 3, gemv=True, mx_half2=True, wide_x=True, tma=True, tma_down=True,
                              tail_k=0, down_tile=(32 if num_pairs >= 64 else 16, 512, 1, 3))
         if per_expert <= 0.5:

@@ -497,13 +497,15 @@ def test_gpt_oss_decode_defaults_load_wide_activations_at_one_token():
 
 def test_gpt_oss_decode_defaults_take_tma_from_four_tokens():
     # with 16-byte aligned stacks the packed-f16 kernels read through the TMA engine from 16 pairs
-    # (4 tokens) to one pair per expert; down on 32 rows from 64 pairs; never without alignment
+    # (4 tokens) to one pair per expert; down on 32 rows from 64 pairs; two pairs of an expert a
+    # program (down on 16 rows) from 3/4 of a pair per expert; never without alignment
     from localchat.kernels.moe import FMT_MXFP4, default_config
     for t in (1, 2):
         assert not default_config(4 * t, 128, FMT_MXFP4, on_gpu=True, tma=True).tma
-    for t, rows in ((4, 16), (8, 16), (16, 32), (32, 32)):
+    for t, rows, pairs in ((4, 16, 1), (8, 16, 1), (16, 32, 1), (24, 16, 2), (32, 16, 2)):
         cfg = default_config(4 * t, 128, FMT_MXFP4, on_gpu=True, tma=True)
         assert cfg.mx_half2 and cfg.tma and cfg.tma_down and cfg.block_k == 512 and cfg.down_tile[0] == rows
+        assert cfg.block_m == pairs
         assert not default_config(4 * t, 128, FMT_MXFP4, on_gpu=True).tma
     assert not default_config(4 * 64, 128, FMT_MXFP4, on_gpu=True, tma=True).mx_half2  # tensor-core tiles
 
