@@ -146,28 +146,28 @@ class History:
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._migrate()
-        self._users = self._join_users()
-        if self._users is None or self._first_user:
+        self._users, first_user = self._join_users()
+        if first_user:
             self._db.execute("UPDATE messages SET status=? WHERE status=?", (INTERRUPTED, PARTIAL))
 
     def _join_users(self):
         """Holds a shared lock on history.lock for as long as this History is open, so that a
         leftover "partial" answer is called interrupted only by the first process to open the data
         dir: another localchat serving from the same dir (a second model, say) may be writing it
-        right now. Sets _first_user; returns the lock file (None where file locks are missing)."""
+        right now. Returns (the lock file, None where file locks are missing; whether this is the
+        first opener)."""
         try:
             import fcntl
         except ImportError:  # no POSIX file locks: every opener sweeps, as a single user would
-            self._first_user = True
-            return None
+            return None, True
         users = open(self.data_dir / "history.lock", "a+")
         try:
             fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self._first_user = True
+            first = True
         except BlockingIOError:
-            self._first_user = False
+            first = False
         fcntl.flock(users, fcntl.LOCK_SH)  # from exclusive: at once; else beside the other users
-        return users
+        return users, first
 
     def close(self) -> None:
         with self._lock:

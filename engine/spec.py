@@ -108,13 +108,12 @@ class SamplingDefaults:
     @classmethod
     def from_generation_config(cls, generation: dict, **family: float) -> "SamplingDefaults":
         """family: the model family's published recommendation, for what the file leaves out."""
-        values = {key: generation[key] if generation.get(key) is not None else family.get(key)
-                  for key in ("temperature", "top_p", "top_k")}
-        if generation.get("do_sample") is False:
-            values["temperature"] = 0.0
-        return cls(temperature=None if values["temperature"] is None else float(values["temperature"]),
-                   top_p=None if values["top_p"] is None else float(values["top_p"]),
-                   top_k=None if values["top_k"] is None else int(values["top_k"]))
+        def value(key: str, kind: type):
+            v = generation[key] if generation.get(key) is not None else family.get(key)
+            return None if v is None else kind(v)
+
+        temperature = 0.0 if generation.get("do_sample") is False else value("temperature", float)
+        return cls(temperature=temperature, top_p=value("top_p", float), top_k=value("top_k", int))
 
 
 @dataclass(frozen=True)
