@@ -4,12 +4,11 @@ call's reads (bench_kernels.py repeats one call, whose 17-34 MB at batch 1 then 
 from L2).
 
     python bench/bench_attention_splits.py [--batches 1,8] [--ctx 8192,512] [--splits 0,32,64,128,256] [--block-n 32,64]
-        [--warps 4] [--stages 2] [--prefetch 0,1]
+        [--warps 4] [--stages 2]
 
 Split count 0 is the default (attention_decode.default_num_splits); 1 finishes the rows in the
-split kernel (no combine launch). --prefetch 1 also times the split kernel that requests each key
-tile ahead into registers (paged_decode_attention's prefetch; printed as stage 1). Every candidate's output is checked against the default's
-before it is timed.
+split kernel (no combine launch). Every candidate's output is checked against the default's before
+it is timed.
 """
 from __future__ import annotations
 
@@ -51,7 +50,6 @@ def main() -> None:
     parser.add_argument("--block-n", default="32,64")
     parser.add_argument("--warps", default="4")
     parser.add_argument("--stages", default="2")
-    parser.add_argument("--prefetch", default="0", help="0, 1 or 0,1: the compiler's pipeline, register prefetch")
     args = parser.parse_args()
     torch.manual_seed(0)
     for ctx_len in (int(c) for c in args.ctx.split(",")):
@@ -67,15 +65,14 @@ def run_context(args, ctx_len: int) -> None:
             q = torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16)
             s = torch.randn(hq, device="cuda") if sinks else None
             ref = paged_decode_attention(q, *caches[0][:2], caches[0][2], ctx, d ** -0.5, s).float()
-            variants = {(int(bn), int(nw), 1 if int(pf) else int(ns), bool(int(pf)))
-                        for bn in args.block_n.split(",") for nw in args.warps.split(",")
-                        for ns in args.stages.split(",") for pf in args.prefetch.split(",")}
-            for block_n, warps, stages, prefetch in sorted(variants):
+            variants = {(int(bn), int(nw), int(ns)) for bn in args.block_n.split(",")
+                        for nw in args.warps.split(",") for ns in args.stages.split(",")}
+            for block_n, warps, stages in sorted(variants):
                 for splits in (int(v) for v in args.splits.split(",")):
                     n = splits or default_num_splits(bsz, hkv, ctx_len, block_n, head_dim=d)
                     if n > ctx_len // block_n:
                         continue
-                    opts = dict(num_splits=n, block_n=block_n, num_warps=warps, num_stages=stages, prefetch=prefetch)
+                    opts = dict(num_splits=n, block_n=block_n, num_warps=warps, num_stages=stages)
                     try:
                         err = rel_err(paged_decode_attention(q, *caches[0][:2], caches[0][2], ctx, d ** -0.5, s,
                                                              **opts), ref)
@@ -85,8 +82,7 @@ def run_context(args, ctx_len: int) -> None:
                         q, c[0], c[1], c[2], ctx, d ** -0.5, s, **o) for c in caches])
                     gbs = kv_bytes / us / 1e3
                     tag = " (default)" if not splits else ""
-                    kind = " prefetch" if prefetch else ""
-                    print(f"{name} B={bsz} ctx={ctx_len} block_n={block_n} w{warps} s{stages}{kind} splits={n}{tag}: "
+                    print(f"{name} B={bsz} ctx={ctx_len} block_n={block_n} w{warps} s{stages} splits={n}{tag}: "
                           f"{us:.1f} us, {gbs:.0f} GB/s, {gbs / COPY_CEILING_GBS:.0%} of copy, rel err {err:.1e}",
                           flush=True)
             del caches

@@ -6,10 +6,8 @@
 # of a decode step's bytes, bench/read_floor.py), moe-mma (the MXFP4 tensor-core kernels' GPU tests and
 # tile sweep), profile (the kernels of one eager decode step in launch order, bench/profile_step.py), router (the one-launch MoE router's GPU
 # tests and tile sweep, bench/bench_router.py), moe-pairs (the MXFP4 kernels over two pairs of one expert: GPU
-# tests of the row kernels, then their time per MoE kernel against the default at 8-64 tokens; then the pointer
-# kernels with their scales read a step ahead at 1-4 tokens), attention-prefetch
-# (decode attention's GPU tests, then the split kernel with its key tiles requested ahead against the default). Logs
-# go to $OUT.
+# tests of the row kernels, then their time per MoE kernel against the default at 8-64 tokens). Logs go to
+# $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -36,7 +34,4 @@ step router && timeout "${ROUTER_TESTS_S:-120}" python3 -m pytest -m gpu tests/k
 step router && timeout "${ROUTER_S:-200}" python3 bench/bench_router.py ${ROUTER_ARGS:-} 2>&1 | tee "$OUT/router.log"
 step moe-pairs && timeout "${PAIRS_TESTS_S:-150}" python3 -m pytest -m gpu tests/kernels/test_moe_gemv.py -q -s -p no:cacheprovider -k "row_kernels_gpu or half2_small or two_pairs" 2>&1 | tee "$OUT/pairs_gpu.log" | tail -20
 step moe-pairs && timeout "${PAIRS_S:-300}" python3 bench/moe_breakdown.py --ts ${PAIRS_TS:-32,16,8,64} --only mxfp4,mxfp4_20b --rows "${PAIRS_ROWS:-half2:16:512:1:3/T/t0/w/d32:512:1:3/P,half2:16:512:1:3/T/t0/w/d16:512:1:3/P,half2:8:512:1:3/T/t0/w/d16:512:1:3/P}" 2>&1 | tee "$OUT/pairs.log"
-step moe-pairs && timeout "${AHEAD_S:-200}" python3 bench/moe_breakdown.py --ts 1,2,4 --only mxfp4,mxfp4_20b --rows "half2:8:256:1:3/w/S,half2:8:256:1:2/S,half2:8:512:1:3/w,half2:8:512:1:3/w/S" 2>&1 | tee "$OUT/scales_ahead.log"
-step attention-prefetch && timeout "${PREFETCH_TESTS_S:-120}" python3 -m pytest -m gpu tests/kernels/test_attention_decode.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/attention_gpu.log" | tail -12
-step attention-prefetch && timeout "${PREFETCH_S:-400}" python3 bench/bench_attention_splits.py ${PREFETCH_ARGS:---batches 1,4,8 --ctx 8192,2048 --splits 0,16,32,48,64 --block-n 64,32 --prefetch 0,1} 2>&1 | tee "$OUT/attention_prefetch.log" | tail -150
 exit 0

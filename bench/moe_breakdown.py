@@ -65,8 +65,7 @@ def main() -> None:
                         "whole one (half2:8:256:1:3/t256: one masked step), w: 16-byte activation loads in gate/up, "
                         "dN:K:W:S the down kernel's tile, T / Tg: the TMA kernels for both / gate/up (K steps of 512; "
                         "t0: the last step past K on zeros), P: two pairs of one expert per program (with T and "
-                        "t0; e.g. half2:16:512:1:3/T/t0/w/d32:512:1:3/P), S: the pointer loads' scales a step "
-                        "ahead (half2:8:256:1:3/w/S)")
+                        "t0; e.g. half2:16:512:1:3/T/t0/w/d32:512:1:3/P)")
     parser.add_argument("--shared", action="store_true",
                         help="FP8 and bf16 cases: one more expert taken by every token with weight 1")
     args = parser.parse_args()
@@ -105,11 +104,9 @@ def main() -> None:
                 bm = 1 if kind == "half2" else int(kind[4:] or 1)
                 cfg = MoeConfig(bm, int(bn), int(bk), int(nw), int(ns), gemv=not kind.startswith("tile"),
                                 mx_half2=kind == "half2")
-                for opt in options:  # gemv with one pair per program: c, dN:K:W:S; half2: tK, w, dN:K:W:S, T, Tg, P, S
+                for opt in options:  # gemv with one pair per program: c, dN:K:W:S; half2: tK, w, dN:K:W:S, T, Tg, P
                     if opt == "P":
                         cfg = replace(cfg, block_m=2)
-                    elif opt == "S":
-                        cfg = replace(cfg, scales_ahead=True)
                     elif opt == "c":
                         cfg = replace(cfg, fused_combine=True)
                     elif opt == "w":

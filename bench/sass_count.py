@@ -13,7 +13,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
 from hopper_compile import (HALF2, HALF2_DOWN, MMA, PAIRS, PAIRS_DOWN, WORDS, WORDS_DOWN, _tma_types,  # noqa: E402
-                            main_loop, opcode, sass)
+                            loads_waited_in_trip, main_loop, opcode, sass)
 
 from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel  # noqa: E402
 from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel  # noqa: E402
@@ -58,6 +58,9 @@ if __name__ == "__main__":
         per_thread = values / (32 * warps)
         ops = Counter(opcode(i) for i in loop).most_common(8)
         sync_loads = sum(1 for i in loop if opcode(i) == "LDG")
+        # a load read in the trip that issues it makes the warp wait for it there
+        waited = loads_waited_in_trip(loop)
         print(f"{name}: {len(loop)} instructions per trip / {per_thread:.0f} values per thread = "
-              f"{len(loop) / per_thread:.2f} per value, {sync_loads} synchronous global loads; "
+              f"{len(loop) / per_thread:.2f} per value, {sync_loads} synchronous global loads ({waited} read in "
+              f"the trip that issues them); "
               f"{', '.join(f'{o} {n}' for o, n in ops)}")

@@ -21,8 +21,9 @@ shapes, so the launch is CUDA-graph safe.
 The key loop as the compiler pipelines it (num_stages 2) keeps one shared-memory buffer per tile
 for keys and values: tile i + 1's copies start only after tile i has been read from it, behind a
 synchronous load of tile i + 1's pages, so every tile waits for two memory round trips one after
-the other (bench/NOTES-attention.md). With prefetch the kernel writes the pipeline itself: pages
-two tiles ahead, keys and values one tile ahead into registers, the compiler's pipeline off.
+the other (bench/NOTES-attention.md). Writing the pipeline by hand (pages two tiles ahead, keys
+and values one tile ahead in registers) halved the programs an SM holds and measured 4-25%
+slower; it was removed.
 
 rotary_decode_attention also takes over kernels/rotary.py's work for the decode step: each split
 program rotates its q heads as it loads them, and the program whose keys include the new token
@@ -65,42 +66,6 @@ def _tile_kv(k_ptr, v_ptr, kvh, page, j0, loop_end, block_size, stride_kb, strid
 
 
 @triton.jit
-def _tile_kv_ahead(k_ptr, v_ptr, kvh, page, j0, loop_end, block_size, stride_kb, stride_ks, stride_kh, stride_vb,
-                   stride_vs, stride_vh, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """_tile_kv for a tile requested a trip ahead (the prefetching loop): 16-bit caches come as
-    int32 words [BLOCK_N, D / 2] of two values each, to be carried to the next trip as loaded and
-    split there (_kv_from_ahead). Carried as 16-bit values, the compiler repacks them for the
-    loop-carried copy before the trip ends, which then waits for the load there (sm_90 SASS:
-    bench/NOTES-attention.md). Other dtypes as _tile_kv."""
-    if k_ptr.dtype.element_ty.primitive_bitwidth == 16:
-        j = j0 + tl.arange(0, BLOCK_N)
-        j_mask = j < loop_end
-        slot = j % block_size
-        w = tl.arange(0, D // 2)
-        k_words = k_ptr.to(tl.pointer_type(tl.int32))
-        v_words = v_ptr.to(tl.pointer_type(tl.int32))
-        k_row = (page * stride_kb + slot * stride_ks + kvh * stride_kh) // 2
-        v_row = (page * stride_vb + slot * stride_vs + kvh * stride_vh) // 2
-        k = tl.load(k_words + k_row[:, None] + w[None, :], mask=j_mask[:, None], other=0)
-        v = tl.load(v_words + v_row[:, None] + w[None, :], mask=j_mask[:, None], other=0)
-        return k, v
-    else:
-        return _tile_kv(k_ptr, v_ptr, kvh, page, j0, loop_end, block_size, stride_kb, stride_ks, stride_kh,
-                        stride_vb, stride_vs, stride_vh, tl.arange(0, D), BLOCK_N)
-
-
-@triton.jit
-def _kv_from_ahead(k, v, dtype: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """_tile_kv_ahead's keys and values -> [BLOCK_N, D] each in the cache's dtype."""
-    if dtype.primitive_bitwidth == 16:
-        k = tl.reshape(tl.join((k & 0xFFFF).to(tl.int16).to(dtype, bitcast=True),
-                               (k >> 16).to(tl.int16).to(dtype, bitcast=True)), (BLOCK_N, D))
-        v = tl.reshape(tl.join((v & 0xFFFF).to(tl.int16).to(dtype, bitcast=True),
-                               (v >> 16).to(tl.int16).to(dtype, bitcast=True)), (BLOCK_N, D))
-    return k, v
-
-
-@triton.jit
 def _attend_tile(q, k, v, j_mask, m, l, acc):
     """Online softmax over one key tile: q [G_PAD, D] (scaled, log2 domain), k / v [BLOCK_N, D],
     j_mask [BLOCK_N] the real keys; running max m, sum l [G_PAD] and acc [G_PAD, D] -> updated."""
@@ -122,7 +87,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
                          slots_ptr,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-                         ROTARY: tl.constexpr = False, R: tl.constexpr = 2, PREFETCH: tl.constexpr = False):
+                         ROTARY: tl.constexpr = False, R: tl.constexpr = 2):
     """ROTARY: q is the new token's unrotated projection, kn / vn its key and value; the rotation
     of kernels/rotary.py (angles cos / sin [B, R]) is applied to q here, and the program whose key
     range holds the new token (position ctx - 1) rotates its key, stores key and value in the cache
@@ -157,26 +122,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
     l = tl.zeros((G_PAD,), dtype=tl.float32)
     acc = tl.zeros((G_PAD, D), dtype=tl.float32)
     table_row = tables_ptr + b * stride_tb
-    if PREFETCH:
-        # tile i's keys and values requested before tile i - 1 is computed, its pages before that
-        # (module docstring); launched with num_stages=1, the compiler leaves this loop as written
-        first_pages = _tile_pages(table_row, start, loop_end, block_size, BLOCK_N)
-        k_next, v_next = _tile_kv_ahead(k_ptr, v_ptr, kvh, first_pages, start, loop_end, block_size, stride_kb,
-                                        stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, D, BLOCK_N)
-        page_next = _tile_pages(table_row, start + BLOCK_N, loop_end, block_size, BLOCK_N)
-        for j0 in range(start, loop_end, BLOCK_N):
-            k, v = _kv_from_ahead(k_next, v_next, k_ptr.dtype.element_ty, D, BLOCK_N)
-            k_next, v_next = _tile_kv_ahead(k_ptr, v_ptr, kvh, page_next, j0 + BLOCK_N, loop_end, block_size,
-                                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, D,
-                                            BLOCK_N)
-            page_next = _tile_pages(table_row, j0 + 2 * BLOCK_N, loop_end, block_size, BLOCK_N)
-            m, l, acc = _attend_tile(q, k, v, j0 + tl.arange(0, BLOCK_N) < loop_end, m, l, acc)
-    else:
-        for j0 in range(start, loop_end, BLOCK_N):
-            page = _tile_pages(table_row, j0, loop_end, block_size, BLOCK_N)
-            k, v = _tile_kv(k_ptr, v_ptr, kvh, page, j0, loop_end, block_size, stride_kb, stride_ks, stride_kh,
-                            stride_vb, stride_vs, stride_vh, d, BLOCK_N)
-            m, l, acc = _attend_tile(q, k, v, j0 + tl.arange(0, BLOCK_N) < loop_end, m, l, acc)
+    for j0 in range(start, loop_end, BLOCK_N):
+        page = _tile_pages(table_row, j0, loop_end, block_size, BLOCK_N)
+        k, v = _tile_kv(k_ptr, v_ptr, kvh, page, j0, loop_end, block_size, stride_kb, stride_ks, stride_kh,
+                        stride_vb, stride_vs, stride_vh, d, BLOCK_N)
+        m, l, acc = _attend_tile(q, k, v, j0 + tl.arange(0, BLOCK_N) < loop_end, m, l, acc)
 
     if ROTARY:
         if (start <= ctx - 1) & (ctx - 1 < end):
@@ -268,16 +218,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sinks: torch.Tensor | None = None, window: int | None = None,
                            num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 2, prefetch: bool = False) -> torch.Tensor:
+                           num_stages: int = 2) -> torch.Tensor:
     """q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
     int32; context_lens [B] int32 (>= 1, the query's own key included); sinks [Hq] or None;
     window: keys i - window < j <= i. Returns [B, Hq, D] in q.dtype. num_splits, block_n (keys
     per tile), num_warps and num_stages of the split kernel: the compiler's pipeline over the key
-    tiles (two stages measured faster than three or four at batch 1-8, bench/bench_attention_splits.py).
-    prefetch: the split kernel requests each key tile's pages two tiles ahead and its keys and
-    values one tile ahead into registers instead (num_stages is then 1)."""
+    tiles (two stages measured faster than three or four at batch 1-8, bench/bench_attention_splits.py)."""
     return _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sinks, window, None,
-                             num_splits, block_n, num_warps, num_stages, prefetch)
+                             num_splits, block_n, num_warps, num_stages)
 
 
 def rotary_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -285,7 +233,7 @@ def rotary_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                             slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                             scale: float, sinks: torch.Tensor | None = None, window: int | None = None,
                             num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-                            num_stages: int = 2, prefetch: bool = False) -> torch.Tensor:
+                            num_stages: int = 2) -> torch.Tensor:
     """apply_rotary(q, k, cos, sin, v, k_cache, v_cache, slot_mapping) followed by
     paged_decode_attention on the rotated q, in the attention launches alone: q [B, Hq, D], k / v
     [B, Hkv, D] the new token's projections before rotation, cos / sin [B, R] its angles (as
@@ -301,18 +249,18 @@ def rotary_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         raise ValueError(f"k and v [B, Hkv, D] must match the cache's heads and be contiguous along head_dim, got "
                          f"{tuple(k.shape)} / {tuple(v.shape)}")
     return _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sinks, window,
-                             (k, v, cos, sin, slot_mapping), num_splits, block_n, num_warps, num_stages, prefetch)
+                             (k, v, cos, sin, slot_mapping), num_splits, block_n, num_warps, num_stages)
 
 
 def rotary_decode_attention_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens,
                                 scale, sinks=None, window=None, num_splits=None, block_n=64, num_warps=4,
-                                num_stages=2, prefetch=False):
+                                num_stages=2):
     q_rot, _ = apply_rotary_ref(q, k, cos, sin, v, k_cache, v_cache, slot_mapping)
     return paged_decode_attention_ref(q_rot, k_cache, v_cache, block_tables, context_lens, scale, sinks, window)
 
 
 def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sinks, window, rotary,
-                      num_splits, block_n, num_warps, num_stages, prefetch) -> torch.Tensor:
+                      num_splits, block_n, num_warps, num_stages) -> torch.Tensor:
     bsz, hq, d = q.shape
     _, block_size, hkv, dk = k_cache.shape
     if dk != d or hq % hkv or d & (d - 1):
@@ -345,7 +293,7 @@ def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, si
         scale * LOG2E, window or 0, block_size, hq, *new_kv,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, **rot,
-        PREFETCH=prefetch, num_warps=num_warps, num_stages=1 if prefetch else num_stages)
+        num_warps=num_warps, num_stages=num_stages)
     if direct:
         return out
     _decode_combine_kernel[(bsz, hq)](
@@ -381,7 +329,7 @@ def attention_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sinks=None, window=None,
-                               num_splits=None, block_n=64, num_warps=4, num_stages=2, prefetch=False) -> torch.Tensor:
+                               num_splits=None, block_n=64, num_warps=4, num_stages=2) -> torch.Tensor:
     outs = []
     for b in range(q.shape[0]):
         ctx = int(context_lens[b])

@@ -296,13 +296,6 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     (wg, sg, s_strides), (wu, su), (wd, sd, sd_strides) = gate, up, down
     bg, bu, bias_strides = biases
     down_n, down_k, down_warps, down_stages = cfg.down_launch
-    gate_up_ahead = cfg.scales_ahead and not cfg.tma
-    down_ahead = cfg.scales_ahead and not cfg.tma_down
-    for ahead, step, scales in ((gate_up_ahead, cfg.block_k, (sg, su)), (down_ahead, down_k, (sd,))):
-        if ahead and (step % 128 or not all(rows_aligned(s, 4) for s in scales)):
-            raise ValueError(f"scales_ahead reads the MXFP4 scales as 4-byte words: it needs K steps that are "
-                             f"multiples of 128 (got {step}) and scale rows starting on 4-byte boundaries (store the "
-                             "scales with engine.weights.formats.aligned_scale_rows)")
     num_pairs = t * k
     expert_ids = topk_ids.reshape(-1)
     if x_half2 is not None:
@@ -348,12 +341,12 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
         xq.view(torch.int32), x_inv_scale, gate_words, up_words, stride_we, stride_wn, sg, su, *s_strides, bg, bu,
         *bias_strides, act, float(2.0 ** act_exp), expert_ids, i, h, k, float(experts.alpha), float(experts.limit),
         HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        STAGES=cfg.num_stages, TAIL_K=min(cfg.tail_k, cfg.block_k), WIDE_X=cfg.wide_x, SCALES_AHEAD=gate_up_ahead,
+        STAGES=cfg.num_stages, TAIL_K=min(cfg.tail_k, cfg.block_k), WIDE_X=cfg.wide_x,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **gate_up_descs)
     moe_down_half2_kernel[(num_pairs, triton.cdiv(h, down_n))](
         act.view(torch.int32), float(2.0 ** -act_exp), down_words, stride_de, stride_dn, sd, *sd_strides, bd,
         bd_stride, pair_weights, y, y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret,
-        BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages, TAIL_K=min(cfg.tail_k, down_k), SCALES_AHEAD=down_ahead,
+        BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages, TAIL_K=min(cfg.tail_k, down_k),
         num_warps=down_warps, num_stages=down_stages, **down_descs)
     return _combine(y, topk_ids, out)
 

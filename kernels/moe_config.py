@@ -84,11 +84,6 @@ class MoeConfig:
     # through pointers) instead of a tail
     tma: bool = False
     tma_down: bool = False
-    # mx_half2 on pointer loads (the matrices not on tma / tma_down): each K step's E8M0 scales read
-    # a step ahead as int32 words (K steps multiples of 128, scale rows 4-byte aligned as the loader
-    # stores them); one-byte loads cannot be asynchronous copies, so each step otherwise waits for
-    # its scales (kernels/moe_gemv_half2.py)
-    scales_ahead: bool = False
 
     @property
     def down_launch(self) -> tuple[int, int, int, int]:

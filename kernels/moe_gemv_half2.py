@@ -24,8 +24,8 @@ mantissa) is finer than the bf16 that the reference rounds it to.
 
 Loads: the K loop is software-pipelined STAGES deep (asynchronous copies of the words and the
 activation pairs); the one-byte E8M0 scales stay ordinary loads (reading them through 32-bit
-words, so that they are copied ahead too, measured slower: bench/NOTES-moe.md), or with
-SCALES_AHEAD (MoeConfig.scales_ahead) 32-bit words read a step ahead into registers. With TMA (
+words, so that they are copied ahead too, or as words read a step ahead into registers, measured
+slower: bench/NOTES-moe.md). With TMA (
 MoeConfig.tma / tma_down) each whole K step is instead two bulk tensor copies per matrix, a
 [BLOCK_N, BLOCK_K / 8] box of words and a [BLOCK_N, BLOCK_K / 32] box of scales, issued by one
 thread into the same pipeline, so the scales are copied ahead too. The tensor-copy engine needs
@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .moe_gemv import _e2m1_f32
-from .moe_gemv_words import _mx_words_raw, mx_words
+from .moe_gemv_words import _mx_words_raw
 
 X_MAX_EXP = 14  # scaled activations stay below 2^14 in magnitude
 _PAIRS = [(0, 2), (4, 6), (1, 3), (5, 7)]  # codes of a word in its four f16x2 registers (low, high)
@@ -213,25 +213,6 @@ def _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, st
 
 
 @triton.jit
-def _scale_words(s_ptr, e, n, n_mask, k0, K, stride_se, stride_sn, BLOCK_K: tl.constexpr):
-    """The E8M0 scales of one K chunk (a multiple of 128) of rows n as int32 words [BLOCK_N,
-    BLOCK_K / 128] of four scales each, the first in the low byte; rows 4-byte aligned (strides
-    in bytes, multiples of 4; stride_sk 1). Words starting past K are not read."""
-    WORDS: tl.constexpr = BLOCK_K // 128
-    w = tl.arange(0, WORDS)
-    row = (e.to(tl.int64) * stride_se + n.to(tl.int64) * stride_sn) // 4
-    ok = n_mask[:, None] & ((k0 // 32 + 4 * w) < K // 32)[None, :]
-    return tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] + (k0 // 128 + w)[None, :], mask=ok, other=0)
-
-
-@triton.jit
-def _scales_of_words(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """_scale_words' words -> the scales, int32 [BLOCK_N, BLOCK_K / 32]."""
-    shifts = 8 * tl.arange(0, 4)
-    return tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xFF, (BLOCK_N, BLOCK_K // 32))
-
-
-@triton.jit
 def tma_words(w_desc, s_desc, e, n0, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """This K chunk of BLOCK_N rows from n0 of expert e through the tensor descriptors (past K or
     N: the boxes' zero fill) -> (words int32 [BLOCK_N, G, 4], E8M0 scales [BLOCK_N, G])."""
@@ -340,7 +321,7 @@ def moe_gate_up_half2_kernel(
         HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr = 64,
         WIDE_X: tl.constexpr = False, wg_desc=None, wu_desc=None, sg_desc=None, su_desc=None,
-        TMA: tl.constexpr = False, SCALES_AHEAD: tl.constexpr = False):
+        TMA: tl.constexpr = False):
     """Program (pair, n-block): gate and up rows [BLOCK_N] of the pair's expert against the
     pair's token, clamped SwiGLU (gpt-oss), stored as f16 act * act_scale in pair order to
     out [pairs, N]. xq: int32 view of the f16 pair-ordered activations [T, K / 2]; wg / wu:
@@ -350,11 +331,7 @@ def moe_gate_up_half2_kernel(
     WIDE_X: _x_pairs' 16-byte activation loads. TMA: the whole steps' words and scales read
     through the tensor descriptors wg_desc / wu_desc (int32 codes [E, N, K / 8], boxes
     [1, BLOCK_N, BLOCK_K / 8]) and sg_desc / su_desc (uint8 scales [E, N, K / 32], boxes
-    [1, BLOCK_N, BLOCK_K / 32]) of the same tensors; the tail steps through the pointers.
-    SCALES_AHEAD (pointer loads, BLOCK_K a multiple of 128, scale rows 4-byte aligned): each whole
-    step's E8M0 scales are read a step ahead as int32 words (_scale_words) and taken apart in the
-    step that uses them. One-byte loads cannot be asynchronous copies, and read in the step that
-    issues them, each step waits for them there."""
+    [1, BLOCK_N, BLOCK_K / 32]) of the same tensors; the tail steps through the pointers."""
     pair = tl.program_id(0)
     e = tl.load(expert_ptr + pair)
     if e < 0:
@@ -368,23 +345,11 @@ def moe_gate_up_half2_kernel(
     acc_u = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     xq_row = xq_ptr + tok * (K // 2)
     k_whole = _whole_steps_end(K, BLOCK_K, TAIL_K)
-    if SCALES_AHEAD:
-        sg_next = _scale_words(sg_ptr, e, n, n_mask, 0, K, stride_se, stride_sn, BLOCK_K)
-        su_next = _scale_words(su_ptr, e, n, n_mask, 0, K, stride_se, stride_sn, BLOCK_K)
     for k0 in tl.range(0, k_whole, BLOCK_K, num_stages=STAGES):
         x0, x1, x2, x3 = _x_pairs(xq_row, k0, K, BLOCK_K, WIDE_X)
         if TMA:
             acc_g = _tma_chunk(acc_g, wg_desc, sg_desc, e, n0, k0, x0, x1, x2, x3, INTERPRET, BLOCK_N, BLOCK_K)
             acc_u = _tma_chunk(acc_u, wu_desc, su_desc, e, n0, k0, x0, x1, x2, x3, INTERPRET, BLOCK_N, BLOCK_K)
-        elif SCALES_AHEAD:
-            sg = _scales_of_words(sg_next, BLOCK_N, BLOCK_K)
-            su = _scales_of_words(su_next, BLOCK_N, BLOCK_K)
-            sg_next = _scale_words(sg_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_se, stride_sn, BLOCK_K)
-            su_next = _scale_words(su_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_se, stride_sn, BLOCK_K)
-            acc_g = _scaled_sums(acc_g, mx_words(wg_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K), sg,
-                                 x0, x1, x2, x3, INTERPRET)
-            acc_u = _scaled_sums(acc_u, mx_words(wu_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K), su,
-                                 x0, x1, x2, x3, INTERPRET)
         else:
             acc_g = _chunk(acc_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn,
                            stride_se, stride_sn, stride_sk, INTERPRET, BLOCK_K)
@@ -417,10 +382,10 @@ def moe_down_half2_kernel(
         pair_weights_ptr, y_ptr, stride_yt, expert_ptr, N, K,
         HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, TAIL_K: tl.constexpr = 64,
-        w_desc=None, s_desc=None, TMA: tl.constexpr = False, SCALES_AHEAD: tl.constexpr = False):
+        w_desc=None, s_desc=None, TMA: tl.constexpr = False):
     """Program (pair, n-block): y[pair, n] = pair weight * (down rows [BLOCK_N] . act + bias) in
     float32; aq: int32 view of the f16 pair-ordered GLU output [pairs, K / 2] scaled by
-    1 / a_inv_scale. TAIL_K, TMA (descriptors w_desc / s_desc) and SCALES_AHEAD as in
+    1 / a_inv_scale. TAIL_K and TMA (descriptors w_desc / s_desc) as in
     moe_gate_up_half2_kernel."""
     pair = tl.program_id(0)
     e = tl.load(expert_ptr + pair)
@@ -433,17 +398,10 @@ def moe_down_half2_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_G), dtype=tl.float32)
     aq_row = aq_ptr + pair.to(tl.int64) * (K // 2)
     k_whole = _whole_steps_end(K, BLOCK_K, TAIL_K)
-    if SCALES_AHEAD:
-        s_next = _scale_words(s_ptr, e, n, n_mask, 0, K, stride_se, stride_sn, BLOCK_K)
     for k0 in tl.range(0, k_whole, BLOCK_K, num_stages=STAGES):
         x0, x1, x2, x3 = _x_pairs(aq_row, k0, K, BLOCK_K)
         if TMA:
             acc = _tma_chunk(acc, w_desc, s_desc, e, n0, k0, x0, x1, x2, x3, INTERPRET, BLOCK_N, BLOCK_K)
-        elif SCALES_AHEAD:
-            scale = _scales_of_words(s_next, BLOCK_N, BLOCK_K)
-            s_next = _scale_words(s_ptr, e, n, n_mask, k0 + BLOCK_K, K, stride_se, stride_sn, BLOCK_K)
-            acc = _scaled_sums(acc, mx_words(w_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K), scale,
-                               x0, x1, x2, x3, INTERPRET)
         else:
             acc = _chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x0, x1, x2, x3, stride_we, stride_wn, stride_se,
                          stride_sn, stride_sk, INTERPRET, BLOCK_K)

@@ -291,42 +291,20 @@ PIPELINED = [
 ]
 
 
-# Loops that request some of their loads a trip ahead by hand (the rest, if any, through the
-# compiler's pipeline): compiled as launched (aligned strides, vector loads), every global load of
-# the loop must be first read in the next trip; a load read in the trip that issues it makes the
-# warp wait for it there.
-AHEAD = [
-    ("MXFP4 gate/up half2 n8 k256 w1, 3 stages, scales a step ahead", moe_gate_up_half2_kernel, HALF2,
-     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3, TAIL_K=64, WIDE_X=True, SCALES_AHEAD=True),
-     1, 3),
-    ("MXFP4 down half2 n16 k256 w1, 2 stages, scales a step ahead", moe_down_half2_kernel, HALF2_DOWN,
-     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=16, BLOCK_K=256, STAGES=2, TAIL_K=64, SCALES_AHEAD=True), 1, 2),
-    ("decode attention split, key tiles requested ahead, gpt-oss sliding window", _decode_split_kernel,
-     ROTARY_ATTENTION,
-     dict(G=8, G_PAD=16, D=64, BLOCK_N=64, NUM_SPLITS=16, HAS_WINDOW=True, HAS_SINKS=True, ROTARY=True, R=64,
-          PREFETCH=True), 4, 1),
-]
-
-
 def main() -> int:
     failed = 0
     for kind, (name, fn, types, constexprs, warps, stages) in ([("plain", c) for c in CASES]
-                                                               + [("pipelined", c) for c in PIPELINED]
-                                                               + [("ahead", c) for c in AHEAD]):
+                                                               + [("pipelined", c) for c in PIPELINED]):
         try:
-            # pipelined and prefetching cases as launched: aligned pointers and strides make the
-            # loads vectorizable
+            # pipelined cases as launched: aligned pointers and strides make the loads vectorizable
             kernel = compile_kernel(fn, types, constexprs, warps, stages, divisible=kind != "plain")
             # f16 -> bf16 in one step compiles to F2F, a slow conversion instruction: at one per
             # weight value it bound the FP8 tensor-core tiles (bench/NOTES-moe.md)
             assert "cvt.bf16.f16" not in kernel.asm["ptx"], "direct f16 -> bf16 conversion (F2F)"
-            if kind == "pipelined" or (kind == "ahead" and stages > 1):
+            if kind == "pipelined":
                 assert "async_copy_global_to_local" in kernel.asm["ttgir"], "K loop not software-pipelined"
             if any(str(types(n)).startswith("tensordesc") for n in fn.arg_names):
                 assert "async_tma_copy_global_to_local" in kernel.asm["ttgir"], "descriptor loads not TMA copies"
-            if kind == "ahead":
-                waited = loads_waited_in_trip(main_loop(disassemble(kernel)))
-                assert waited == 0, f"{waited} loads of the prefetching loop waited for in the trip that issues them"
             print(f"ok     {name}")
         except Exception as e:  # report every kernel, then fail
             failed += 1

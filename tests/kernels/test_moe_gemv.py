@@ -180,25 +180,6 @@ def test_gpt_oss_mxfp4_two_pairs_per_program(dtype, block_n, down_tile, wide_x):
     assert torch.equal(out, fused_moe(x, experts, w, ids, config=replace(cfg, block_m=1)))
 
 
-@pytest.mark.parametrize("dtype,block_k,down_k,wide_x", [(torch.bfloat16, 128, 128, True),
-                                                        (torch.float16, 256, 128, False)])
-def test_gpt_oss_mxfp4_scales_ahead(dtype, block_k, down_k, wide_x):
-    # the packed-f16 pointer kernels with each step's scales read a step ahead as 4-byte words:
-    # H = 288 (9 groups: whole steps of 128 or 256, a 32-wide tail, a last word half past K),
-    # I = 160 (one whole step of 128 and a tail); scale rows stored aligned; a pair of expert -1;
-    # token rows far apart in magnitude
-    e, h, i = 4, 288, 160
-    experts = _aligned(_gpt_oss_case(e, h, i, scale_lo=110, scale_hi=131))
-    cfg = MoeConfig(1, 16, block_k, 1, 2, gemv=True, mx_half2=True, tail_k=32, wide_x=wide_x,
-                    down_tile=(16, down_k, 1, 2), scales_ahead=True)
-    x, w, ids, out = _spread_tokens_run(experts, cfg, dtype)
-    assert torch.equal(out, fused_moe(x, experts, w, ids, config=replace(cfg, scales_ahead=False)))
-    with pytest.raises(ValueError, match="aligned_scale_rows"):  # the checkpoint's 9- and 5-byte rows
-        fused_moe(x, _gpt_oss_case(e, h, i), w, ids, config=cfg)
-    with pytest.raises(ValueError, match="multiples of 128"):
-        fused_moe(x, experts, w, ids, config=replace(cfg, block_k=64))
-
-
 def test_tma_kernels_refuse_unaligned_scales_and_short_steps():
     e, k, h, i, t = 2, 2, 544, 96, 1
     experts = _gpt_oss_case(e, h, i)  # scale rows of 17 and 3 bytes
@@ -352,8 +333,6 @@ def test_new_row_kernels_reject_bad_tiles():
     (8, MoeConfig(1, 8, 256, 1, 2, gemv=True, mx_half2=True)),
     (32, MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True)),
     (4, MoeConfig(1, 8, 256, 1, 2, gemv=True, mx_half2=True, tail_k=256)),
-    (1, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_half2=True, wide_x=True, scales_ahead=True)),
-    (2, MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_half2=True, scales_ahead=True)),
     (1, MoeConfig(1, 8, 512, 1, 3, gemv=True, mx_half2=True, tma=True, tma_down=True, wide_x=True, tail_k=0)),
     (1, MoeConfig(1, 16, 512, 1, 3, gemv=True, mx_half2=True, tma=True, wide_x=True, down_tile=(8, 256, 1, 3))),
     (1, MoeConfig(1, 16, 256, 1, 3, gemv=True, mx_half2=True, wide_x=True, down_tile=(8, 256, 1, 3))),
@@ -366,14 +345,13 @@ def test_new_row_kernels_reject_bad_tiles():
 def test_gpt_oss_row_kernels_gpu(t, cfg):
     e, k, h, i = 128, 4, 2880, 2880
     experts = random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda")
-    if cfg.tma or cfg.tma_down or cfg.scales_ahead:
+    if cfg.tma or cfg.tma_down:
         experts = _aligned(experts)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     w, ids = route_gpt_oss(torch.randn(t, e, device="cuda"), k)
     err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
     kind = ("tma" if cfg.tma or cfg.tma_down else "half2") if cfg.mx_half2 else "words"
     kind += ", two pairs a program" if cfg.block_m == 2 and cfg.mx_half2 else ""
-    kind += ", scales a step ahead" if cfg.scales_ahead else ""
     print(f"\ngpt-oss-120b {kind} T={t} {cfg}: rel err {err:.1e}")
     assert err < TOL[torch.bfloat16]
 
