@@ -20,8 +20,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
 from bench_moe_sweep import (CALLS, COPY_CEILING_GBS, expert_bytes, graph_time_us, make_case,  # noqa: E402
                              random_routings)
+from kernel_checks import rel_err  # noqa: E402
 
 from localchat.engine.weights.formats import aligned_scale_rows  # noqa: E402
 from localchat.kernels.moe import MoeConfig, default_config, fused_moe  # noqa: E402
@@ -120,8 +122,15 @@ def main() -> None:
                     elif opt.startswith("d"):
                         cfg = replace(cfg, down_tile=tuple(int(v) for v in opt[1:].split(":")))
                 variants.append((spec, cfg))
+            w0, ids0 = routings[0]
+            expected = fused_moe(x, experts, w0, ids0, config=base).float()
             for label, cfg in variants:
                 ex = raw if cfg is None else experts  # None: fused_moe's own choice on the unpadded rows
+                try:
+                    err = rel_err(fused_moe(x, ex, w0, ids0, config=cfg), expected)
+                except Exception as e:  # a tile that does not compile or fit: report it, go on
+                    print(f"{name} T={t} {label}: failed, {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
                 calls = [lambda w=w, ids=ids, cfg=cfg, ex=ex: fused_moe(x, ex, w, ids, config=cfg)
                          for w, ids in routings]
                 graph_us = graph_time_us(calls)
@@ -129,7 +138,7 @@ def main() -> None:
                 busy = sum(kernels.values())
                 print(f"{name} T={t} {label}: graph {graph_us:.1f} us per call "
                       f"({nbytes / graph_us / 1e3 / COPY_CEILING_GBS:.1%} of copy), kernels {busy:.1f} us, "
-                      f"between kernels {graph_us - busy:.1f} us", flush=True)
+                      f"between kernels {graph_us - busy:.1f} us, rel err to the default {err:.1e}", flush=True)
                 for kname, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
                     print(f"    {us:7.1f} us  {kname}", flush=True)
         del experts
