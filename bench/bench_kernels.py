@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_attention_splits import paged_kv_rotation  # noqa: E402
 from bench_moe_sweep import CALLS, copies_out_of_l2, graph_time_us, random_routings  # noqa: E402
 
-from localchat.engine.weights.formats import Fp8Weight, Mxfp4Weight  # noqa: E402
+from localchat.engine.weights.formats import Fp8Weight, Mxfp4Weight, aligned_scale_rows  # noqa: E402
 from localchat.kernels.moe import MoeConfig, MoeExperts, expert_slice, fused_moe  # noqa: E402
 from localchat.kernels.moe_routing import route_glm, route_gpt_oss  # noqa: E402
 
@@ -133,6 +134,8 @@ def bench_moe(sweep: bool) -> None:
         else:
             experts = MoeExperts(*random_glm_weights(fmt, e, i, h, device="cuda"))
         per_expert = sum(_weight_bytes(w) for w in (experts.gate, experts.up, experts.down))
+        if fmt == "mxfp4":  # scale rows padded to 16 bytes as the loader stores them (the TMA kernels need it)
+            experts = replace(experts, **{n: aligned_scale_rows(getattr(experts, n)) for n in ("gate", "up", "down")})
         for t in (1, 8, 32, 64):
             x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
             logits = torch.randn(t, e, device="cuda")

@@ -60,8 +60,9 @@ def main() -> None:
                         "(the default before the packed-f16 kernels)")
     parser.add_argument("--rows", "--fp8-rows", default="",
                         help="also time these tiles, kind:n:k:warps:stages with kind gemv or gemvM (M pairs of an "
-                        "expert per program; FP8 and dense), tileM (tensor-core tiles of M rows; FP8 and dense) or "
-                        "half2 (MXFP4 packed f16), e.g. gemv:32:256:4:3,gemv4:32:256:4:3,tile16:64:128:4:4; options of gemv "
+                        "expert per program; FP8 and dense), tileM (tensor-core tiles of M rows; FP8 and dense), "
+                        "half2 (MXFP4 packed f16) or mmaM (MXFP4 tensor-core tiles of M pairs, moe_mx_mma.py; "
+                        "option dN:K:W:S), e.g. gemv:32:256:4:3,gemv4:32:256:4:3,tile16:64:128:4:4; options of gemv "
                         "after slashes: c sums each token's rows in the down kernel, dN:K:W:S is the down "
                         "kernel's tile (gemv:16:256:2:3/d64:256:4:3/c); of half2: tK, the K step after the last "
                         "whole one (half2:8:256:1:3/t256: one masked step), w: 16-byte activation loads in gate/up, "
@@ -99,13 +100,14 @@ def main() -> None:
             for spec in filter(None, args.rows.split(",")):
                 tile, *options = spec.split("/")
                 kind, bn, bk, nw, ns = tile.split(":")
-                if (kind == "half2") != mx:
-                    continue  # half2 tiles are for MXFP4 only, the others for FP8 and bf16
-                # gemvM: M pairs of one expert per program (grouped by moe_align); tileM: tensor-core
-                # tiles of M rows
-                bm = 1 if kind == "half2" else int(kind[4:] or 1)
-                cfg = MoeConfig(bm, int(bn), int(bk), int(nw), int(ns), gemv=not kind.startswith("tile"),
-                                mx_half2=kind == "half2")
+                mx_kind = kind == "half2" or kind.startswith("mma")
+                if mx_kind != mx:
+                    continue  # half2 and mma tiles are for MXFP4 only, the others for FP8 and bf16
+                # gemvM: M pairs of one expert per program (grouped by moe_align); tileM / mmaM:
+                # tensor-core tiles of M rows
+                bm = 1 if kind == "half2" else int(kind.lstrip("gemvtilma") or 1)
+                cfg = MoeConfig(bm, int(bn), int(bk), int(nw), int(ns), gemv=kind.startswith("gemv") or kind == "half2",
+                                mx_half2=kind == "half2", mx_mma=kind.startswith("mma"))
                 for opt in options:  # gemv with one pair per program: c, dN:K:W:S; half2: tK, w, dN:K:W:S, T, Tg, P
                     if opt == "P":
                         cfg = replace(cfg, block_m=2)

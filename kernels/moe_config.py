@@ -133,10 +133,11 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
     fastest measured at that load on an H200 (bench/bench_moe_sweep.py, bench/moe_breakdown.py,
     bench/NOTES-moe.md). The row kernels' num_stages is the depth of the compiler's software
     pipeline over K (asynchronous copies of the weight and activation chunks); one-warp programs
-    gain from it, multi-warp ones lost. MXFP4: the packed-f16 row kernels with one pair per program
-    up to one pair per expert (gpt-oss-120b to 32 tokens, gpt-oss-20b to 8; fused_moe falls back to
-    the word-decode kernels for experts other than gpt-oss's clamped SwiGLU; from 16 pairs, where
-    the stacks allow it (tma: rows 16-byte aligned), on the TMA-fed versions), then with bf16
+    gain from it, multi-warp ones lost. MXFP4: the packed-f16 row kernels up to one pair per expert
+    (gpt-oss-120b to 32 tokens, gpt-oss-20b to 8; fused_moe falls back to the word-decode kernels for
+    experts other than gpt-oss's clamped SwiGLU); from 16 pairs, where the stacks allow it (tma:
+    rows 16-byte aligned), their TMA-fed versions on two warps, to 1.5 pairs per expert (gpt-oss-120b
+    to 48 tokens, gpt-oss-20b to 12), two pairs of an expert a program from 3/8; then with bf16
     activations the tensor-core kernels that decode each expert once for its pairs
     (moe_mx_mma.py), more pairs per block as the pairs per expert grow; fp16 activations take the
     dot_scaled tiles there. FP8: pipelined row kernels up to one pair per expert (GLM-4.5V to 16 tokens; 64 rows
@@ -146,19 +147,21 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
     if not on_gpu:
         return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
     per_expert = num_pairs / max(num_experts, 1)
-    if fmt == FMT_MXFP4 and per_expert <= (1 if bf16 else 4):
-        if tma and num_pairs >= 16:
-            # words and scales through the TMA engine from 4 tokens (gpt-oss): 2-6% faster than the
-            # pointer kernels at 4-32 tokens, slower at 1-2 (bench/NOTES-moe.md); down on 32 rows
-            # from 64 pairs. From 3/4 of a pair per expert, pairs of one expert two to a program
-            # (moe_gemv_pairs.py, down on 16 rows): gpt-oss-120b at 24 / 32 tokens 3% / 6% shorter,
-            # even at 16, slower at 8 (bench/NOTES-moe.md, "Two pairs of one expert per program on
-            # the TMA loads")
-            if per_expert >= 0.75:
-                return MoeConfig(2, 16, 512, 1, 3, gemv=True, mx_half2=True, wide_x=True, tma=True, tma_down=True,
-                                 tail_k=0, down_tile=(16, 512, 1, 3))
-            return MoeConfig(1, 16, 512, 1, 3, gemv=True, mx_half2=True, wide_x=True, tma=True, tma_down=True,
-                             tail_k=0, down_tile=(32 if num_pairs >= 64 else 16, 512, 1, 3))
+    tma_rows = tma and num_pairs >= 16
+    if fmt == FMT_MXFP4 and per_expert <= ((1.5 if tma_rows else 1) if bf16 else 4):
+        if tma_rows:
+            # words and scales through the TMA engine from 4 tokens (gpt-oss): faster than the
+            # pointer kernels at 4-32 tokens, slower at 1-2 (bench/NOTES-moe.md). 32 rows a program
+            # on two warps (16 rows a warp, as one-warp programs of 16 rows, which hold ~9 warps an
+            # SM; each program reads a pair's activations once for twice the rows): gpt-oss-120b
+            # 5-9% shorter at 4-32 tokens than 16 rows on one warp. From 3/8 of a pair per expert
+            # and 32 pairs, pairs of one expert two to a program (moe_gemv_pairs.py): gpt-oss-120b
+            # at 12 / 16 / 32 tokens 2% / 5% / 10% shorter than one pair a program; gpt-oss-20b at
+            # 8 / 12 tokens 3% / 13% shorter than one pair a program / the tensor-core tiles, even
+            # at 16 (bench/NOTES-moe.md, "Two warps of 16 rows")
+            pairs = 2 if per_expert >= 0.375 and num_pairs >= 32 else 1
+            return MoeConfig(pairs, 32, 512, 2, 3, gemv=True, mx_half2=True, wide_x=True, tma=True, tma_down=True,
+                             tail_k=0, down_tile=(32, 512, 2, 3))
         if per_expert <= 0.5:
             # three stages and 16-byte activation loads in gate/up for one token's pairs (few
             # programs, each keeping more K steps in flight); from 8 pairs two stages measured 6%

@@ -159,7 +159,7 @@ def test_gpt_oss_mxfp4_tma(dtype, block_n, tail_k, wide_x, tma_down, down_tile):
 
 @pytest.mark.parametrize("dtype,block_n,down_tile,wide_x", [(torch.bfloat16, 16, (32, 512, 1, 2), True),
                                                           (torch.float16, 32, None, False)])
-def test_gpt_oss_mxfp4_two_pairs_per_program(dtype, block_n, down_tile, wide_x):
+def test_gpt_oss_mxfp4_two_pairs_per_program(dtype, block_n, down_tile, wide_x, num_warps=1):
     # two pairs of one expert per program (moe_align blocks of two), each word decoded once for
     # both. Routing by hand: expert 0 has three pairs (a block of two and one of one), expert 1
     # two, experts 2 and 3 one each, one pair expert -1 (another rank's); K = H = 544 (one whole
@@ -170,7 +170,7 @@ def test_gpt_oss_mxfp4_two_pairs_per_program(dtype, block_n, down_tile, wide_x):
     w = torch.softmax(torch.randn(4, k, device=DEV), dim=1)
     x = (torch.randn(4, h, device=DEV, dtype=dtype)
          * torch.tensor([[1e-3], [1.0], [300.0], [2.0]], device=DEV).to(dtype))
-    cfg = MoeConfig(2, block_n, 512, 1, 2, gemv=True, mx_half2=True, tma=True, tma_down=True, tail_k=0,
+    cfg = MoeConfig(2, block_n, 512, num_warps, 2, gemv=True, mx_half2=True, tma=True, tma_down=True, tail_k=0,
                     wide_x=wide_x, down_tile=down_tile)
     out = fused_moe(x, experts, w, ids, config=cfg)
     ref = fused_moe_ref(x, experts, w, ids)
@@ -341,6 +341,10 @@ def test_new_row_kernels_reject_bad_tiles():
                    down_tile=(32, 512, 1, 3))),
     (8, MoeConfig(2, 8, 512, 1, 3, gemv=True, mx_half2=True, tma=True, tma_down=True, tail_k=0, wide_x=True,
                   down_tile=(16, 512, 1, 3))),
+    (8, MoeConfig(1, 32, 512, 2, 3, gemv=True, mx_half2=True, tma=True, tma_down=True, tail_k=0, wide_x=True,
+                  down_tile=(32, 512, 2, 3))),
+    (48, MoeConfig(2, 32, 512, 2, 3, gemv=True, mx_half2=True, tma=True, tma_down=True, tail_k=0, wide_x=True,
+                   down_tile=(32, 512, 2, 3))),
 ])
 def test_gpt_oss_row_kernels_gpu(t, cfg):
     e, k, h, i = 128, 4, 2880, 2880
@@ -379,6 +383,8 @@ def test_two_pairs_per_program_small_shapes_gpu():
     # boxes' zero fill, a -1 expert; bit-identical to one pair per program on the GPU too
     test_gpt_oss_mxfp4_two_pairs_per_program(torch.bfloat16, 16, (32, 512, 1, 2), True)
     test_gpt_oss_mxfp4_two_pairs_per_program(torch.float16, 32, None, False)
+    # two warps of 16 rows (the default from 4 tokens)
+    test_gpt_oss_mxfp4_two_pairs_per_program(torch.bfloat16, 32, (32, 512, 2, 3), True, num_warps=2)
 
 
 @pytest.mark.gpu
@@ -475,17 +481,21 @@ def test_gpt_oss_decode_defaults_load_wide_activations_at_one_token():
 
 def test_gpt_oss_decode_defaults_take_tma_from_four_tokens():
     # with 16-byte aligned stacks the packed-f16 kernels read through the TMA engine from 16 pairs
-    # (4 tokens) to one pair per expert; down on 32 rows from 64 pairs; two pairs of an expert a
-    # program (down on 16 rows) from 3/4 of a pair per expert; never without alignment
+    # (4 tokens) to 1.5 pairs per expert, 32 rows a program on two warps; two pairs of an expert
+    # a program from 3/8 of a pair per expert and 32 pairs; never without alignment
     from localchat.kernels.moe import FMT_MXFP4, default_config
     for t in (1, 2):
         assert not default_config(4 * t, 128, FMT_MXFP4, on_gpu=True, tma=True).tma
-    for t, rows, pairs in ((4, 16, 1), (8, 16, 1), (16, 32, 1), (24, 16, 2), (32, 16, 2)):
-        cfg = default_config(4 * t, 128, FMT_MXFP4, on_gpu=True, tma=True)
-        assert cfg.mx_half2 and cfg.tma and cfg.tma_down and cfg.block_k == 512 and cfg.down_tile[0] == rows
-        assert cfg.block_m == pairs
-        assert not default_config(4 * t, 128, FMT_MXFP4, on_gpu=True).tma
-    assert not default_config(4 * 64, 128, FMT_MXFP4, on_gpu=True, tma=True).mx_half2  # tensor-core tiles
+    for experts, t, pairs in ((128, 4, 1), (128, 8, 1), (128, 12, 2), (128, 16, 2), (128, 32, 2), (128, 48, 2),
+                              (32, 4, 1), (32, 8, 2), (32, 12, 2)):
+        cfg = default_config(4 * t, experts, FMT_MXFP4, on_gpu=True, tma=True)
+        assert cfg.mx_half2 and cfg.tma and cfg.tma_down and cfg.block_k == 512 and cfg.tail_k == 0
+        assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.down_tile) == (pairs, 32, 2, (32, 512, 2, 3))
+        assert not default_config(4 * t, experts, FMT_MXFP4, on_gpu=True).tma
+    # above 1.5 pairs per expert the tensor-core tiles; without alignment from one pair per expert
+    assert default_config(4 * 64, 128, FMT_MXFP4, on_gpu=True, tma=True).mx_mma
+    assert default_config(4 * 16, 32, FMT_MXFP4, on_gpu=True, tma=True).mx_mma
+    assert default_config(4 * 12, 32, FMT_MXFP4, on_gpu=True).mx_mma
 
 
 def test_loaded_mxfp4_stacks_have_aligned_scale_rows():
