@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections import defaultdict
 from dataclasses import replace
@@ -105,7 +106,7 @@ def main() -> None:
                     continue  # half2 and mma tiles are for MXFP4 only, the others for FP8 and bf16
                 # gemvM: M pairs of one expert per program (grouped by moe_align); tileM / mmaM:
                 # tensor-core tiles of M rows
-                bm = 1 if kind == "half2" else int(kind.lstrip("gemvtilma") or 1)
+                bm = 1 if kind == "half2" else int(re.sub(r"^[a-z]+", "", kind) or 1)
                 cfg = MoeConfig(bm, int(bn), int(bk), int(nw), int(ns), gemv=kind.startswith("gemv") or kind == "half2",
                                 mx_half2=kind == "half2", mx_mma=kind.startswith("mma"))
                 for opt in options:  # gemv with one pair per program: c, dN:K:W:S; half2: tK, w, dN:K:W:S, T, Tg, P

@@ -133,7 +133,7 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
     fastest measured at that load on an H200 (bench/bench_moe_sweep.py, bench/moe_breakdown.py,
     bench/NOTES-moe.md). The row kernels' num_stages is the depth of the compiler's software
     pipeline over K (asynchronous copies of the weight and activation chunks); one-warp programs
-    gain from it, multi-warp ones lost. MXFP4: the packed-f16 row kernels up to one pair per expert
+    on pointer loads gain from it, multi-warp ones lost. MXFP4: the packed-f16 row kernels up to one pair per expert
     (gpt-oss-120b to 32 tokens, gpt-oss-20b to 8; fused_moe falls back to the word-decode kernels for
     experts other than gpt-oss's clamped SwiGLU); from 16 pairs, where the stacks allow it (tma:
     rows 16-byte aligned), their TMA-fed versions on two warps, to 1.5 pairs per expert (gpt-oss-120b
