@@ -15,18 +15,17 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import replace
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from kernel_checks import cuda_time_us, random_glm_weights, random_gpt_oss_experts  # noqa: E402
+from kernel_checks import cuda_time_us, random_glm_weights, random_gpt_oss_experts, with_aligned_scale_rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_attention_splits import paged_kv_rotation  # noqa: E402
 from bench_moe_sweep import CALLS, copies_out_of_l2, graph_time_us, random_routings  # noqa: E402
 
-from localchat.engine.weights.formats import Fp8Weight, Mxfp4Weight, aligned_scale_rows  # noqa: E402
+from localchat.engine.weights.formats import Fp8Weight, Mxfp4Weight  # noqa: E402
 from localchat.kernels.moe import MoeConfig, MoeExperts, expert_slice, fused_moe  # noqa: E402
 from localchat.kernels.moe_routing import route_glm, route_gpt_oss  # noqa: E402
 
@@ -135,7 +134,7 @@ def bench_moe(sweep: bool) -> None:
             experts = MoeExperts(*random_glm_weights(fmt, e, i, h, device="cuda"))
         per_expert = sum(_weight_bytes(w) for w in (experts.gate, experts.up, experts.down))
         if fmt == "mxfp4":  # scale rows padded to 16 bytes as the loader stores them (the TMA kernels need it)
-            experts = replace(experts, **{n: aligned_scale_rows(getattr(experts, n)) for n in ("gate", "up", "down")})
+            experts = with_aligned_scale_rows(experts)
         for t in (1, 8, 32, 64):
             x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
             logits = torch.randn(t, e, device="cuda")

@@ -24,9 +24,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
 from bench_moe_sweep import (CALLS, COPY_CEILING_GBS, expert_bytes, graph_time_us, make_case,  # noqa: E402
                              random_routings)
-from kernel_checks import rel_err  # noqa: E402
+from kernel_checks import rel_err, with_aligned_scale_rows  # noqa: E402
 
-from localchat.engine.weights.formats import aligned_scale_rows  # noqa: E402
 from localchat.kernels.moe import MoeConfig, default_config, fused_moe  # noqa: E402
 from localchat.kernels.moe_routing import with_shared_expert  # noqa: E402
 
@@ -86,7 +85,7 @@ def main() -> None:
         # the default also on the checkpoint's unpadded rows, where it takes the pointer kernels
         raw = experts
         if mx:
-            experts = replace(experts, **{n: aligned_scale_rows(getattr(experts, n)) for n in ("gate", "up", "down")})
+            experts = with_aligned_scale_rows(experts)
         per_expert = expert_bytes(experts)
         for t in (int(v) for v in args.ts.split(",")):
             x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)

@@ -148,7 +148,8 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
         return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
     per_expert = num_pairs / max(num_experts, 1)
     tma_rows = tma and num_pairs >= 16
-    if fmt == FMT_MXFP4 and per_expert <= ((1.5 if tma_rows else 1) if bf16 else 4):
+    row_kernels_up_to = (1.5 if tma_rows else 1) if bf16 else 4  # pairs per expert
+    if fmt == FMT_MXFP4 and per_expert <= row_kernels_up_to:
         if tma_rows:
             # words and scales through the TMA engine from 4 tokens (gpt-oss): faster than the
             # pointer kernels at 4-32 tokens, slower at 1-2 (bench/NOTES-moe.md). 32 rows a program

@@ -96,6 +96,17 @@ def random_glm_weights(fmt: str, e: int, i: int, h: int, *, dtype=torch.float32,
     return [Fp8Weight(*quantize_fp8_blocks(w, *block), block=block) for w in ws]
 
 
+def with_aligned_scale_rows(experts):
+    """MXFP4 experts with their scale rows stored 16-byte aligned, as the loader stores them (the
+    TMA-fed kernels need it)."""
+    from dataclasses import replace
+
+    from localchat.engine.weights.formats import aligned_scale_rows
+
+    return replace(experts, gate=aligned_scale_rows(experts.gate), up=aligned_scale_rows(experts.up),
+                   down=aligned_scale_rows(experts.down))
+
+
 def random_gpt_oss_experts(e: int, i: int, h: int, *, bias_dtype=torch.float32, device=DEV):
     """gpt-oss experts: MXFP4 gate_up [E, 2I, H] (rows interleaved) and down [E, H, I] with biases."""
     from localchat.engine.weights.formats import Mxfp4Weight

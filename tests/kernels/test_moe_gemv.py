@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernel_checks import (DEV, quantize_fp8_blocks, random_glm_weights, random_gpt_oss_experts,
-                           random_mxfp4, random_routing, rel_err)
+                           random_mxfp4, random_routing, rel_err, with_aligned_scale_rows)
 from localchat.engine.weights.formats import Fp8Weight, Mxfp4Weight, aligned_scale_rows
 from localchat.kernels.moe import MoeConfig, MoeExperts, fused_moe, fused_moe_ref, gpt_oss_experts
 from localchat.kernels.moe_routing import route_glm, route_gpt_oss
@@ -55,12 +55,6 @@ def test_gemv_rejects_mxfp4_block_k_off_groups():
     w, ids = route_gpt_oss(torch.randn(1, 2, device=DEV), 1)
     with pytest.raises(ValueError, match="multiple of 32"):
         fused_moe(x, experts, w, ids, config=MoeConfig(1, 16, 48, 1, 1, gemv=True))
-
-
-def _aligned(experts):
-    """The experts with their MXFP4 scale rows stored 16-byte aligned, as the TMA kernels read them."""
-    return replace(experts, gate=aligned_scale_rows(experts.gate), up=aligned_scale_rows(experts.up),
-                   down=aligned_scale_rows(experts.down))
 
 
 def _spread_tokens_run(experts, cfg, dtype):
@@ -148,7 +142,7 @@ def test_gpt_oss_mxfp4_tma(dtype, block_n, tail_k, wide_x, tma_down, down_tile):
     # masked step). 544 rows leave a partial row block at 32 rows; the pair with expert -1 and the
     # token magnitudes as in test_gpt_oss_mxfp4_half2. The down kernel on TMA with its own tile, or
     # on the pointer loads (which take steps of 64 past the last whole step when tail_k is 0).
-    experts = _aligned(_gpt_oss_case(3, 544, 96, scale_lo=110, scale_hi=131))
+    experts = with_aligned_scale_rows(_gpt_oss_case(3, 544, 96, scale_lo=110, scale_hi=131))
     cfg = MoeConfig(1, block_n, 512, 1, 2, gemv=True, mx_half2=True, tma=True, tma_down=tma_down, tail_k=tail_k,
                     wide_x=wide_x, down_tile=down_tile)
     x, w, ids, out = _spread_tokens_run(experts, cfg, dtype)
@@ -165,7 +159,7 @@ def test_gpt_oss_mxfp4_two_pairs_per_program(dtype, block_n, down_tile, wide_x, 
     # two, experts 2 and 3 one each, one pair expert -1 (another rank's); K = H = 544 (one whole
     # 512-wide step and one on the zero fill), I = 96 (no whole step); tokens far apart in magnitude.
     e, k, h, i = 4, 2, 544, 96
-    experts = _aligned(_gpt_oss_case(e, h, i, scale_lo=110, scale_hi=131))
+    experts = with_aligned_scale_rows(_gpt_oss_case(e, h, i, scale_lo=110, scale_hi=131))
     ids = torch.tensor([[0, 1], [0, 2], [0, -1], [3, 1]], dtype=torch.int32, device=DEV)
     w = torch.softmax(torch.randn(4, k, device=DEV), dim=1)
     x = (torch.randn(4, h, device=DEV, dtype=dtype)
@@ -188,7 +182,7 @@ def test_tma_kernels_refuse_unaligned_scales_and_short_steps():
     with pytest.raises(ValueError, match="aligned_scale_rows"):
         fused_moe(x, experts, w, ids, config=MoeConfig(1, 16, 512, 1, 2, gemv=True, mx_half2=True, tma_down=True))
     with pytest.raises(ValueError, match="multiple of 512"):
-        fused_moe(x, _aligned(experts), w, ids,
+        fused_moe(x, with_aligned_scale_rows(experts), w, ids,
                   config=MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True, tma=True))
 
 
@@ -350,7 +344,7 @@ def test_gpt_oss_row_kernels_gpu(t, cfg):
     e, k, h, i = 128, 4, 2880, 2880
     experts = random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda")
     if cfg.tma or cfg.tma_down:
-        experts = _aligned(experts)
+        experts = with_aligned_scale_rows(experts)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     w, ids = route_gpt_oss(torch.randn(t, e, device="cuda"), k)
     err = rel_err(fused_moe(x, experts, w, ids, config=cfg), fused_moe_ref(x, experts, w, ids))
