@@ -68,7 +68,8 @@ def main() -> None:
                         "whole one (half2:8:256:1:3/t256: one masked step), w: 16-byte activation loads in gate/up, "
                         "dN:K:W:S the down kernel's tile, T / Tg: the TMA kernels for both / gate/up (K steps of 512; "
                         "t0: the last step past K on zeros), P: two pairs of one expert per program (with T and "
-                        "t0; e.g. half2:16:512:1:3/T/t0/w/d32:512:1:3/P)")
+                        "t0; e.g. half2:16:512:1:3/T/t0/w/d32:512:1:3/P), rN / RN: down / gate-up held to N registers "
+                        "a thread")
     parser.add_argument("--shared", action="store_true",
                         help="FP8 and bf16 cases: one more expert taken by every token with weight 1")
     args = parser.parse_args()
@@ -108,7 +109,8 @@ def main() -> None:
                 bm = 1 if kind == "half2" else int(re.sub(r"^[a-z]+", "", kind) or 1)
                 cfg = MoeConfig(bm, int(bn), int(bk), int(nw), int(ns), gemv=kind.startswith("gemv") or kind == "half2",
                                 mx_half2=kind == "half2", mx_mma=kind.startswith("mma"))
-                for opt in options:  # gemv with one pair per program: c, dN:K:W:S; half2: tK, w, dN:K:W:S, T, Tg, P
+                # gemv with one pair per program: c, dN:K:W:S; half2: tK, w, dN:K:W:S, T, Tg, P, rN, RN
+                for opt in options:
                     if opt == "P":
                         cfg = replace(cfg, block_m=2)
                     elif opt == "c":
@@ -121,6 +123,10 @@ def main() -> None:
                         cfg = replace(cfg, tma=True)
                     elif opt.startswith("t"):
                         cfg = replace(cfg, tail_k=int(opt[1:]))
+                    elif opt.startswith("r"):
+                        cfg = replace(cfg, down_max_registers=int(opt[1:]))
+                    elif opt.startswith("R"):
+                        cfg = replace(cfg, max_registers=int(opt[1:]))
                     elif opt.startswith("d"):
                         cfg = replace(cfg, down_tile=tuple(int(v) for v in opt[1:].split(":")))
                 variants.append((spec, cfg))

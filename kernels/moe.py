@@ -138,6 +138,8 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         raise ValueError(f"the MXFP4 row-streaming kernels need block_k a multiple of 32, got {cfg.block_k}")
     if cfg.gemv and cfg.mx_words and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_m > 4:
         raise ValueError(f"the MXFP4 word-decode kernels take at most 4 pairs per program, got block_m {cfg.block_m}")
+    if cfg.down_max_registers and not cfg.mx_half2:
+        raise ValueError("down_max_registers is for the mx_half2 down kernels; max_registers holds the others")
     row_kernels = cfg.gemv and cfg.block_m == 1 and fmt_d != FMT_MXFP4
     if (cfg.fused_combine and not row_kernels) or (cfg.down_tile and not (row_kernels or cfg.mx_mma or cfg.mx_half2)):
         raise ValueError("fused_combine needs the dense or FP8 row kernels with one pair per program (gemv=True, "
@@ -322,6 +324,8 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     if cfg.tma_down:
         w_desc, s_desc = _tma_descriptors(down_words, sd, down_n, down_k)
         down_descs = dict(w_desc=w_desc, s_desc=s_desc, TMA=True)
+    gate_up_regs = dict(maxnreg=cfg.max_registers) if cfg.max_registers else {}
+    down_regs = dict(maxnreg=cfg.down_max_registers) if cfg.down_max_registers else {}
     if cfg.block_m == 2:
         sorted_ids, block_expert = moe_align(topk_ids, experts.num_experts, 2)
         blocks = block_expert.numel()
@@ -330,24 +334,24 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
             float(2.0 ** act_exp), sorted_ids, block_expert, num_pairs, i, h, k, float(experts.alpha),
             float(experts.limit), HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, WIDE_X=cfg.wide_x, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+            num_stages=cfg.num_stages, **gate_up_regs)
         moe_down_pairs_kernel[(triton.cdiv(h, down_n), blocks)](
             act.view(torch.int32), float(2.0 ** -act_exp), w_desc, s_desc, bd, bd_stride,
             pair_weights, y, y.stride(0), sorted_ids, block_expert, num_pairs, h, i,
             HAS_BIAS=has_down_bias, INTERPRET=interpret, BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages,
-            num_warps=down_warps, num_stages=down_stages)
+            num_warps=down_warps, num_stages=down_stages, **down_regs)
         return _combine(y, topk_ids, out)
     moe_gate_up_half2_kernel[(num_pairs, triton.cdiv(i, cfg.block_n))](
         xq.view(torch.int32), x_inv_scale, gate_words, up_words, stride_we, stride_wn, sg, su, *s_strides, bg, bu,
         *bias_strides, act, float(2.0 ** act_exp), expert_ids, i, h, k, float(experts.alpha), float(experts.limit),
         HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         STAGES=cfg.num_stages, TAIL_K=min(cfg.tail_k, cfg.block_k), WIDE_X=cfg.wide_x,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **gate_up_descs)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **gate_up_descs, **gate_up_regs)
     moe_down_half2_kernel[(num_pairs, triton.cdiv(h, down_n))](
         act.view(torch.int32), float(2.0 ** -act_exp), down_words, stride_de, stride_dn, sd, *sd_strides, bd,
         bd_stride, pair_weights, y, y.stride(0), expert_ids, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret,
         BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages, TAIL_K=min(cfg.tail_k, down_k),
-        num_warps=down_warps, num_stages=down_stages, **down_descs)
+        num_warps=down_warps, num_stages=down_stages, **down_descs, **down_regs)
     return _combine(y, topk_ids, out)
 
 

@@ -58,7 +58,9 @@ class MoeConfig:
     gemv: bool = False  # row-streaming kernels for decode sizes; block_m=1 also skips moe_align
     mx_words: bool = False  # MXFP4 row streaming: decode int32 words of 8 codes (kernels/moe_gemv_words.py)
     prefetch: bool = False  # MXFP4 word decode: the next K chunk requested before the current one is used
-    max_registers: int = 0  # registers per thread the compiler may use (0: its choice), for occupancy
+    # registers per thread the compiler may use (0: its choice), for occupancy; under mx_half2
+    # gate/up's only (down_max_registers below is down's)
+    max_registers: int = 0
     mx_half2: bool = False  # MXFP4 row kernels on packed f16 FMAs, one pair per program (kernels/moe_gemv_half2.py)
     # MXFP4 tensor-core tiles decoding each expert's rows once for its block_m pairs, bf16
     # activations (kernels/moe_mx_mma.py)
@@ -84,6 +86,10 @@ class MoeConfig:
     # through pointers) instead of a tail
     tma: bool = False
     tma_down: bool = False
+    # mx_half2: registers per thread the down kernel may use (0: the compiler's choice). Its
+    # two-pair TMA program holds 180 at 32 rows on two warps, five programs an SM, where its
+    # 23.6 KB of buffers would allow nine (bench/NOTES-moe.md)
+    down_max_registers: int = 0
 
     @property
     def down_launch(self) -> tuple[int, int, int, int]:

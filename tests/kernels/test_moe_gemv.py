@@ -170,8 +170,10 @@ def test_gpt_oss_mxfp4_two_pairs_per_program(dtype, block_n, down_tile, wide_x, 
     ref = fused_moe_ref(x, experts, w, ids)
     for row in range(4):
         assert rel_err(out[row], ref[row]) < TOL[dtype]
-    # the same sums in the same order as one pair per program
+    # the same sums in the same order as one pair per program, and with the registers held
     assert torch.equal(out, fused_moe(x, experts, w, ids, config=replace(cfg, block_m=1)))
+    assert torch.equal(out, fused_moe(x, experts, w, ids, config=replace(cfg, max_registers=168,
+                                                                         down_max_registers=152)))
 
 
 def test_tma_kernels_refuse_unaligned_scales_and_short_steps():
@@ -339,6 +341,10 @@ def test_new_row_kernels_reject_bad_tiles():
                   down_tile=(32, 512, 2, 3))),
     (48, MoeConfig(2, 32, 512, 2, 3, gemv=True, mx_half2=True, tma=True, tma_down=True, tail_k=0, wide_x=True,
                    down_tile=(32, 512, 2, 3))),
+    (32, MoeConfig(2, 32, 512, 2, 3, gemv=True, mx_half2=True, tma=True, tma_down=True, tail_k=0, wide_x=True,
+                   down_tile=(32, 512, 2, 3), down_max_registers=152)),
+    (4, MoeConfig(1, 32, 512, 2, 3, gemv=True, mx_half2=True, tma=True, tma_down=True, tail_k=0, wide_x=True,
+                  down_tile=(32, 512, 2, 3), max_registers=184, down_max_registers=144)),
 ])
 def test_gpt_oss_row_kernels_gpu(t, cfg):
     e, k, h, i = 128, 4, 2880, 2880
@@ -431,6 +437,8 @@ def test_down_options_need_one_pair_row_kernels():
                                                                            down_tile=(16, 32, 1, 1))):
         with pytest.raises(ValueError, match="fused_combine needs .* down_tile those"):
             fused_moe(x, experts, w, ids, config=cfg)
+    with pytest.raises(ValueError, match="down_max_registers is for the mx_half2 down kernels"):
+        fused_moe(x, experts, w, ids, config=MoeConfig(1, 16, 32, 1, 1, gemv=True, down_max_registers=128))
 
 
 @pytest.mark.parametrize("fmt", ["fp8_channel", "fp8_block"])
