@@ -41,10 +41,11 @@ def _types(overrides: dict[str, str]):
     return lambda name: overrides.get(name, "i32")
 
 
-def compile_kernel(fn, types, constexprs: dict, num_warps: int = 4, num_stages: int = 1, divisible: bool = False):
+def compile_kernel(fn, types, constexprs: dict, num_warps: int = 4, num_stages: int = 1, divisible: bool = False,
+                   max_registers: int = 0):
     """The compiled sm_90 kernel. divisible: pointers, strides, the sizes N and K and a K split's
     length (K_SPLIT) marked 16-divisible, as the launcher specialises them at run time for the
-    real shapes (what the SASS then shows)."""
+    real shapes (what the SASS then shows). max_registers: the launch's maxnreg (0: none)."""
     names = fn.arg_names
     # as a launch leaves them: constexpr parameters at their defaults, and descriptor arguments the
     # case does not type at the pointer-load form's None
@@ -57,7 +58,10 @@ def compile_kernel(fn, types, constexprs: dict, num_warps: int = 4, num_stages: 
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if divisible and n not in constexprs and (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K", "K_SPLIT"))}
     src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
-    kernel = triton.compile(src, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if max_registers:
+        options["maxnreg"] = max_registers
+    kernel = triton.compile(src, target=HOPPER, options=options)
     assert len(kernel.asm.get("cubin", b"")) > 0, "no cubin"
     return kernel
 
@@ -72,6 +76,15 @@ def disassemble(kernel) -> str:
         f.write(kernel.asm["cubin"])
         f.flush()
         return subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def registers(kernel) -> int:
+    """Registers a thread of a compiled kernel holds (cuobjdump's resource usage)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1))
 
 
 def sass(fn, types, constexprs: dict, num_warps: int, num_stages: int) -> str:
@@ -264,20 +277,31 @@ def _tma_types(base, rows: int):
     return lambda name: descs.get(name) or base(name)
 
 
+TMA_ROWS = [
+    ("MXFP4 gate/up half2 TMA n32 k512 w2, 3 stages", moe_gate_up_half2_kernel, _tma_types(HALF2, 32),
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=32, BLOCK_K=512, STAGES=3, TAIL_K=0, WIDE_X=True, TMA=True), 2, 3),
+    ("MXFP4 down half2 TMA n32 k512 w2, 3 stages", moe_down_half2_kernel, _tma_types(HALF2_DOWN, 32),
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=32, BLOCK_K=512, STAGES=3, TAIL_K=0, TMA=True), 2, 3),
+    # two pairs of an expert per program: a loop for two pairs and one for one, both on TMA copies
+    ("MXFP4 gate/up two pairs TMA n32 k512 w2, 3 stages", moe_gate_up_pairs_kernel, _tma_types(PAIRS, 32),
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=32, BLOCK_K=512, STAGES=3, WIDE_X=True), 2, 3),
+    ("MXFP4 down two pairs TMA n32 k512 w2, 3 stages", moe_down_pairs_kernel, _tma_types(PAIRS_DOWN, 32),
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=32, BLOCK_K=512, STAGES=3), 2, 3),
+]
+
+# The TMA row programs held to fewer registers (MoeConfig max_registers / down_max_registers) for
+# more programs an SM: (case of TMA_ROWS, registers), each to fit without spilling in its K loop.
+# One-pair gate/up 184: five programs an SM instead of four; both downs 160: six instead of five
+# (at 152 the one-pair down spills in the loop under Triton 3.9, not 3.6).
+REGISTER_CAPS = [(TMA_ROWS[0], 184), (TMA_ROWS[1], 160), (TMA_ROWS[3], 160)]
+
 PIPELINED = [
     (f"MXFP4 gate/up half2 n8 k256 w1, 3 stages, 16-byte activation loads {wide}", moe_gate_up_half2_kernel, HALF2,
      dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=8, BLOCK_K=256, STAGES=3, TAIL_K=64, WIDE_X=wide), 1, 3)
     for wide in (False, True)
 ] + [
-    ("MXFP4 gate/up half2 TMA n16 k512 w1, 3 stages", moe_gate_up_half2_kernel, _tma_types(HALF2, 16),
-     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=16, BLOCK_K=512, STAGES=3, TAIL_K=0, WIDE_X=True, TMA=True), 1, 3),
-    ("MXFP4 down half2 TMA n32 k512 w1, 3 stages", moe_down_half2_kernel, _tma_types(HALF2_DOWN, 32),
-     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=32, BLOCK_K=512, STAGES=3, TAIL_K=0, TMA=True), 1, 3),
-    # two pairs of an expert per program: a loop for two pairs and one for one, both on TMA copies
-    ("MXFP4 gate/up two pairs TMA n16 k512 w1, 3 stages", moe_gate_up_pairs_kernel, _tma_types(PAIRS, 16),
-     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=16, BLOCK_K=512, STAGES=3, WIDE_X=True), 1, 3),
-    ("MXFP4 down two pairs TMA n32 k512 w1, 3 stages", moe_down_pairs_kernel, _tma_types(PAIRS_DOWN, 32),
-     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_N=32, BLOCK_K=512, STAGES=3), 1, 3),
+    # default_config's TMA tiles: 32 rows on two warps
+    *TMA_ROWS,
     # GLM-4.5V's o_proj at 3-32 tokens: K split over 4 programs, their partials added by a second launch
     ("FP8 linear tile 32x32x256, K split", _fp8_linear_kernel,
      _types({"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*fp32"}),
@@ -307,6 +331,18 @@ def main() -> int:
                 assert "async_tma_copy_global_to_local" in kernel.asm["ttgir"], "descriptor loads not TMA copies"
             print(f"ok     {name}")
         except Exception as e:  # report every kernel, then fail
+            failed += 1
+            print(f"FAILED {name}: {type(e).__name__}: {str(e)[:400]}")
+    for (name, fn, types, constexprs, warps, stages), cap in REGISTER_CAPS:
+        name = f"{name}, at most {cap} registers"
+        try:
+            kernel = compile_kernel(fn, types, constexprs, warps, stages, divisible=True, max_registers=cap)
+            held = registers(kernel)
+            assert held <= cap, f"{held} registers"
+            spills = [ins for ins in main_loop(disassemble(kernel)) if opcode(ins) in ("LDL", "STL")]
+            assert not spills, f"{len(spills)} local-memory loads / stores in the K loop"
+            print(f"ok     {name}")
+        except Exception as e:
             failed += 1
             print(f"FAILED {name}: {type(e).__name__}: {str(e)[:400]}")
     return 1 if failed else 0
