@@ -227,7 +227,8 @@ def _label(cfg):
             decode += " down n{}k{}w{}s{}".format(*cfg.down_tile)
         return f"tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{decode}"
     kind = ("half2" if cfg.mx_half2 else "words" if cfg.mx_words else "gemv") + (" pf" if cfg.prefetch else "")
-    regs = f" r{cfg.max_registers}" if cfg.max_registers else ""
+    regs = (f" r{cfg.max_registers}" if cfg.max_registers else "") + (
+        f" down r{cfg.down_max_registers}" if cfg.down_max_registers else "")
     return f"{kind} m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps}{regs}"
 
 

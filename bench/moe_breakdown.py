@@ -68,8 +68,8 @@ def main() -> None:
                         "whole one (half2:8:256:1:3/t256: one masked step), w: 16-byte activation loads in gate/up, "
                         "dN:K:W:S the down kernel's tile, T / Tg: the TMA kernels for both / gate/up (K steps of 512; "
                         "t0: the last step past K on zeros), P: two pairs of one expert per program (with T and "
-                        "t0; e.g. half2:16:512:1:3/T/t0/w/d32:512:1:3/P), rN / RN: down / gate-up held to N registers "
-                        "a thread")
+                        "t0; e.g. half2:16:512:1:3/T/t0/w/d32:512:1:3/P), rN: down held to N registers a thread, "
+                        "RN: gate/up (and down, without rN)")
     parser.add_argument("--shared", action="store_true",
                         help="FP8 and bf16 cases: one more expert taken by every token with weight 1")
     args = parser.parse_args()

@@ -138,8 +138,6 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         raise ValueError(f"the MXFP4 row-streaming kernels need block_k a multiple of 32, got {cfg.block_k}")
     if cfg.gemv and cfg.mx_words and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_m > 4:
         raise ValueError(f"the MXFP4 word-decode kernels take at most 4 pairs per program, got block_m {cfg.block_m}")
-    if cfg.down_max_registers and not cfg.mx_half2:
-        raise ValueError("down_max_registers is for the mx_half2 down kernels; max_registers holds the others")
     row_kernels = cfg.gemv and cfg.block_m == 1 and fmt_d != FMT_MXFP4
     if (cfg.fused_combine and not row_kernels) or (cfg.down_tile and not (row_kernels or cfg.mx_mma or cfg.mx_half2)):
         raise ValueError("fused_combine needs the dense or FP8 row kernels with one pair per program (gemv=True, "
@@ -164,15 +162,15 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         b_max, sorted_pairs = block_expert.numel(), True
     act = torch.empty((num_pairs, i), dtype=x.dtype, device=x.device)
     x_fmt = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "fp32")
+    gate_up_regs, down_regs = _register_caps(cfg)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.max_registers:
-        launch["maxnreg"] = cfg.max_registers
     scales_biases = (sg, su, *s_strides, bg, bu, *bias_strides)
     gate_up_args = (x, x.stride(0), wg, wu, wg.stride(0), wg.stride(1), *scales_biases,
                     act, act.stride(0), sorted_ids, block_expert, num_pairs, i, h, k,
                     float(experts.alpha), float(experts.limit))
     gate_up_meta = dict(FORMAT=fmt, SBN=sblock[0], SBK=sblock[1], ACT=ACTIVATIONS[experts.activation],
-                        HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+                        HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch,
+                        **gate_up_regs)
     words_up = cfg.gemv and cfg.mx_words and fmt == FMT_MXFP4
     words_down = cfg.gemv and cfg.mx_words and fmt_d == FMT_MXFP4
     x_bf16 = x.dtype == torch.bfloat16
@@ -182,7 +180,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
             act, act.stride(0), sorted_ids, block_expert, num_pairs, i, h, k,
             float(experts.alpha), float(experts.limit), SORTED=sorted_pairs, X_BF16=x_bf16, PREFETCH=cfg.prefetch,
             ACT=ACTIVATIONS[experts.activation], HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, **launch)
+            BLOCK_K=cfg.block_k, **launch, **gate_up_regs)
     elif cfg.gemv:
         moe_gate_up_gemv_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             *gate_up_args, SORTED=sorted_pairs, STAGES=cfg.num_stages, **gate_up_meta)
@@ -195,12 +193,12 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     down_args = (act, act.stride(0), wd, wd.stride(0), wd.stride(1), sd, *sd_strides,
                  bd, bd_stride, pair_weights, y, y.stride(0), sorted_ids, block_expert, num_pairs, h, i)
     down_meta = dict(FORMAT=fmt_d, SBN=sdblock[0], SBK=sdblock[1], HAS_BIAS=has_down_bias,
-                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch, **down_regs)
     if words_down:
         moe_down_words_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
             act, act.stride(0), *_code_words(wd), *down_args[5:],
             SORTED=sorted_pairs, HAS_BIAS=has_down_bias, X_BF16=x_bf16, PREFETCH=cfg.prefetch,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch, **down_regs)
     elif cfg.gemv:
         down_n, down_k, down_warps, down_stages = cfg.down_launch
         row_blocks = triton.cdiv(h, down_n)
@@ -215,6 +213,13 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         moe_down_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
             *down_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **down_meta)
     return _combine(y, topk_ids, out)
+
+
+def _register_caps(cfg: MoeConfig) -> tuple[dict, dict]:
+    """The maxnreg launch options of the gate/up and the down kernels: max_registers for both,
+    unless down_max_registers holds down."""
+    down = cfg.down_max_registers or cfg.max_registers
+    return (dict(maxnreg=cfg.max_registers) if cfg.max_registers else {}), (dict(maxnreg=down) if down else {})
 
 
 def _gate_up_biases(experts: MoeExperts, x: torch.Tensor):
@@ -324,8 +329,7 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
     if cfg.tma_down:
         w_desc, s_desc = _tma_descriptors(down_words, sd, down_n, down_k)
         down_descs = dict(w_desc=w_desc, s_desc=s_desc, TMA=True)
-    gate_up_regs = dict(maxnreg=cfg.max_registers) if cfg.max_registers else {}
-    down_regs = dict(maxnreg=cfg.down_max_registers) if cfg.down_max_registers else {}
+    gate_up_regs, down_regs = _register_caps(cfg)
     if cfg.block_m == 2:
         sorted_ids, block_expert = moe_align(topk_ids, experts.num_experts, 2)
         blocks = block_expert.numel()
@@ -376,6 +380,7 @@ def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tenso
     num_pairs = t * k
     sorted_ids, block_expert = moe_align(topk_ids, e, cfg.block_m)
     b_max = block_expert.numel()
+    gate_up_regs, down_regs = _register_caps(cfg)
     # element k = 32 g + 8 j + 4 h + q of a row goes to q * H / 4 + 8 g + 2 j + h (quarter_order)
     xq = x.reshape(t, h // 32, 4, 2, 4).permute(0, 4, 1, 2, 3).reshape(t, h)
     act = torch.empty((num_pairs, i), dtype=x.dtype, device=x.device)
@@ -384,14 +389,14 @@ def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tenso
         act, sorted_ids, block_expert, num_pairs, i, h, k, float(experts.alpha), float(experts.limit),
         ACT=ACTIVATIONS[experts.activation], HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **gate_up_regs)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias, bd, bd_stride = _down_bias(experts, x)
     moe_down_mma_kernel[(b_max, triton.cdiv(h, down_n))](
         act, *_code_words(wd), sd, *sd_strides, bd, bd_stride, topk_weights.reshape(-1).to(torch.float32), y,
         y.stride(0), sorted_ids, block_expert, num_pairs, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret,
         BLOCK_M=cfg.block_m, BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages, num_warps=down_warps,
-        num_stages=down_stages)
+        num_stages=down_stages, **down_regs)
     return _combine(y, topk_ids, out)
 
 

@@ -58,8 +58,8 @@ class MoeConfig:
     gemv: bool = False  # row-streaming kernels for decode sizes; block_m=1 also skips moe_align
     mx_words: bool = False  # MXFP4 row streaming: decode int32 words of 8 codes (kernels/moe_gemv_words.py)
     prefetch: bool = False  # MXFP4 word decode: the next K chunk requested before the current one is used
-    # registers per thread the compiler may use (0: its choice), for occupancy; under mx_half2
-    # gate/up's only (down_max_registers below is down's)
+    # registers a thread of the gate/up and down kernels may use (0: the compiler's choice), for
+    # more programs an SM; down_max_registers, when set, holds the down kernel instead
     max_registers: int = 0
     mx_half2: bool = False  # MXFP4 row kernels on packed f16 FMAs, one pair per program (kernels/moe_gemv_half2.py)
     # MXFP4 tensor-core tiles decoding each expert's rows once for its block_m pairs, bf16
@@ -86,9 +86,9 @@ class MoeConfig:
     # through pointers) instead of a tail
     tma: bool = False
     tma_down: bool = False
-    # mx_half2: registers per thread the down kernel may use (0: the compiler's choice). Its
-    # two-pair TMA program holds 180 at 32 rows on two warps, five programs an SM, where its
-    # 23.6 KB of buffers would allow nine (bench/NOTES-moe.md)
+    # registers a thread of the down kernel may use (0: max_registers). The MXFP4 two-pair TMA
+    # down program holds 180 at 32 rows on two warps, five programs an SM, where its 23.6 KB of
+    # buffers would allow nine (bench/NOTES-moe.md)
     down_max_registers: int = 0
 
     @property
