@@ -160,15 +160,18 @@ def _check_fits(args, model_dir: Path) -> None:
     chosen = [g for g in gpus if g.index in wanted]
     if len(chosen) < tp:
         return  # the engine names the missing GPU
-    result = plan(ModelSpec.from_dir(model_dir), checkpoint_weight_bytes(model_dir), chosen,
-                  max_context=args.max_context)
+    spec = ModelSpec.from_dir(model_dir)
+    result = plan(spec, checkpoint_weight_bytes(model_dir), chosen, max_context=args.max_context,
+                  fp8=spec.quant.method == "fp8")
+    where = f"GPU {chosen[0].index}" if tp == 1 else f"GPUs {','.join(str(g.index) for g in chosen)}"
+    if result.verdict == "unsupported":
+        raise UserError(f"{args.model} cannot run on {where}: {result.summary()}")
     if tp > 1:  # the split the user asked for, not the planner's pick
         result.chosen = next((o for o in result.options if o.tp == tp and o.max_context >= MIN_CONTEXT), None)
         if result.chosen is not None and result.chosen.max_context >= result.want_context:
             result.verdict = "fits"
         elif result.chosen is not None:
             result.verdict = "fits_reduced"
-    where = f"GPU {chosen[0].index}" if tp == 1 else f"GPUs {','.join(str(g.index) for g in chosen)}"
     if result.chosen is None:
         raise UserError(f"{args.model} does not fit {where}: {result.summary()}")
     if result.verdict == "fits_reduced" and args.max_context is None:
@@ -286,6 +289,9 @@ def _default_model() -> str:
     for name in ("glm-4.5v-fp8", "gpt-oss-120b", "gpt-oss-20b"):
         if REGISTRY[name].plan(gpus).chosen is not None:
             return name
+    smallest = REGISTRY["gpt-oss-20b"].plan(gpus)
+    if smallest.verdict == "unsupported":
+        raise UserError(smallest.summary())
     raise UserError("none of the supported models fits the free memory of this machine's GPUs; "
                     "`localchat doctor` shows what each needs")
 

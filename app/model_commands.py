@@ -132,7 +132,8 @@ def cmd_doctor(args) -> int:
     if args.assume_gpus:
         lines.append(("gpus", f"assumed: {args.assume_gpus}"))
     for g in gpus:
-        lines.append((f"gpu {g.index}", f"{g.name}, {gib(g.total_bytes)} total, {gib(g.free_bytes)} free"))
+        cc = f", compute capability {g.capability[0]}.{g.capability[1]}" if g.capability else ""
+        lines.append((f"gpu {g.index}", f"{g.name}{cc}, {gib(g.total_bytes)} total, {gib(g.free_bytes)} free"))
     if not gpus:
         lines.append(("gpus", "none found: localchat needs a CUDA GPU to serve these models"))
     root = cache_root()
@@ -156,7 +157,8 @@ def _plan_dir(path: Path, name: str, gpus: list[GpuInfo]) -> Plan | str:
     except (UnsupportedModel, FileNotFoundError, ValueError, KeyError) as e:
         return f"cannot plan: {e}"
     entry = REGISTRY.get(name)
-    return plan(KvLayout.from_spec(spec), weights, gpus, alternative=entry.alternative if entry else None)
+    return plan(KvLayout.from_spec(spec), weights, gpus, alternative=entry.alternative if entry else None,
+                fp8=spec.quant.method == "fp8")
 
 
 def _fit_text(p: Plan | str, short: bool = False) -> str:

@@ -26,12 +26,42 @@ _FLOAT_DTYPES = {"BF16": 2, "F16": 2, "F32": 4}
 _PLAIN_DTYPES = {"BF16", "F16", "F32", "F64", "I64", "I32", "I16", "BOOL"}
 
 
+# compute capabilities from which the kernels run (bf16 tensor cores: Ampere) and the FP8 ones
+# (Ada): kernels/gpu_facts.py, repeated here so that planning imports no torch
+MIN_CAPABILITY = (8, 0)
+FP8_CAPABILITY = (8, 9)
+
+
+def _cc(capability: tuple[int, int]) -> str:
+    return ".".join(map(str, capability))
+
+
 @dataclass(frozen=True)
 class GpuInfo:
+    """capability: (major, minor), None where unknown (a GPU assumed for planning)."""
+
     name: str
     total_bytes: int
     free_bytes: int
     index: int = 0
+    capability: tuple[int, int] | None = None
+
+    @property
+    def runs_fp8(self) -> bool:
+        return self.capability is None or self.capability >= FP8_CAPABILITY
+
+    def cannot_run(self, fp8: bool) -> str | None:
+        """Why this GPU cannot run a model (fp8: with FP8 weights), or None."""
+        if self.capability is None:
+            return None
+        cc = f"{self.name} is {self.capability[0]}.{self.capability[1]}"
+        if self.capability < MIN_CAPABILITY:
+            return (f"the kernels need a GPU of compute capability {_cc(MIN_CAPABILITY)} or newer (Ampere, Ada, "
+                    f"Hopper, Blackwell); {cc}")
+        if fp8 and not self.runs_fp8:
+            return (f"FP8 weights need a GPU of compute capability {_cc(FP8_CAPABILITY)} or newer (Ada, Hopper, "
+                    f"Blackwell); {cc}: use a bf16 or MXFP4 model")
+        return None
 
     @property
     def headroom_bytes(self) -> int:
@@ -157,7 +187,8 @@ class TpOption:
 @dataclass
 class Plan:
     """verdict: "fits" (the wanted context), "fits_reduced" (a shorter context), "does_not_fit",
-    "no_gpu". `chosen` is the option to use (None unless it fits)."""
+    "unsupported" (GPUs too old, or without FP8 for FP8 weights), "no_gpu". `chosen` is the option to use (None
+    unless it fits)."""
 
     weights: WeightBytes
     layout: KvLayout
@@ -174,7 +205,7 @@ class Plan:
 
     def summary(self) -> str:
         if self.chosen is None:
-            if self.verdict == "no_gpu":
+            if self.verdict in ("no_gpu", "unsupported"):
                 return "; ".join(self.advice)
             return "; ".join([f"does not fit ({gib(self.weights.per_gpu(1))} of weights)"] + self.advice)
         c = self.chosen
@@ -200,8 +231,10 @@ def _option(weights: WeightBytes, layout: KvLayout, gpus: list[GpuInfo], tp: int
 
 
 def plan(spec, weight_bytes: WeightBytes | int, gpus: list[GpuInfo], *, quantize: str | None = None,
-         max_context: int | None = None, min_context: int = MIN_CONTEXT, alternative: str | None = None) -> Plan:
-    """spec: a ModelSpec or a KvLayout. alternative: a smaller model to suggest when this one does not fit."""
+         max_context: int | None = None, min_context: int = MIN_CONTEXT, alternative: str | None = None,
+         fp8: bool = False) -> Plan:
+    """spec: a ModelSpec or a KvLayout. alternative: a smaller model to suggest when this one does
+    not fit. fp8: the checkpoint's weights are FP8 (so is --quantize fp8's output)."""
     layout = spec if isinstance(spec, KvLayout) else KvLayout.from_spec(spec)
     weights = WeightBytes(int(weight_bytes)) if isinstance(weight_bytes, int) else weight_bytes
     if quantize not in (None, "fp8"):
@@ -221,6 +254,10 @@ def plan(spec, weight_bytes: WeightBytes | int, gpus: list[GpuInfo], *, quantize
             result.chosen, result.verdict = best, "fits_reduced"
     if not gpus:
         result.verdict = "no_gpu"
+    reason = next(filter(None, (g.cannot_run(fp8 or quantize == "fp8") for g in gpus)), None)
+    if reason is not None:
+        result.chosen, result.verdict, result.advice = None, "unsupported", [reason]
+        return result
     result.advice = _advice(result, gpus, min_context, alternative)
     return result
 
@@ -232,12 +269,12 @@ def _advice(p: Plan, gpus: list[GpuInfo], min_context: int, alternative: str | N
         advice = [f"use {p.chosen.tp} GPUs"] if p.chosen.tp > 1 else []
         if p.verdict == "fits_reduced":
             advice.append(f"--max-context {p.chosen.max_context}")
-        if p.chosen.tp > 1 and p.weights.fp8_numel and p.quantize is None:
+        if p.chosen.tp > 1 and p.weights.fp8_numel and p.quantize is None and all(g.runs_fp8 for g in gpus):
             fp8 = plan(p.layout, p.weights, gpus, quantize="fp8", max_context=p.want_context, min_context=min_context)
             if fp8.chosen is not None and fp8.chosen.tp < p.chosen.tp:
                 advice.append(f"or --quantize fp8 on {fp8.chosen.tp} GPU" + ("s" if fp8.chosen.tp > 1 else ""))
         return advice
-    if p.weights.fp8_numel and p.quantize is None:
+    if p.weights.fp8_numel and p.quantize is None and all(g.runs_fp8 for g in gpus):
         fp8 = plan(p.layout, p.weights, gpus, quantize="fp8", max_context=p.want_context, min_context=min_context)
         if fp8.fits:
             return ["--quantize fp8" + (f" (or use {alternative})" if alternative else "")] + fp8.advice
@@ -263,5 +300,6 @@ def local_gpus() -> list[GpuInfo]:
     out = []
     for i in range(torch.cuda.device_count()):
         free, total = torch.cuda.mem_get_info(i)
-        out.append(GpuInfo(torch.cuda.get_device_name(i), int(total), int(free), i))
+        out.append(GpuInfo(torch.cuda.get_device_name(i), int(total), int(free), i,
+                           tuple(torch.cuda.get_device_capability(i))))
     return out

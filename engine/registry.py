@@ -71,7 +71,7 @@ class RegistryEntry:
 
     def plan(self, gpus: list[GpuInfo], **kwargs) -> Plan:
         kwargs.setdefault("alternative", self.alternative)
-        return plan(self.kv, self.weights, gpus, **kwargs)
+        return plan(self.kv, self.weights, gpus, fp8=self.format == "fp8", **kwargs)
 
 
 _GLM_KV = KvLayout(full_layers=46, sliding_layers=0, kv_heads=8, head_dim=128, max_context=65536)

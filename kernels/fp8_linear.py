@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..engine.weights.formats import Fp8Weight
-from .gpu_facts import MEASURED_SMS, compiled_on_gpu, sm_count
+from .gpu_facts import MEASURED_SMS, compiled_on_gpu, require_fp8, sm_count
 from .moe_gemm import FMT_FP8_BLK, FMT_FP8_ROW, _row_scale, _weight_dot
 from .row_gemv import GEMV_MAX_M, row_gemv_kernel
 
@@ -318,6 +318,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     on_gpu = compiled_on_gpu(x.device)
+    require_fp8(x.device)
     k, n = w.weight.shape[1], w.weight.shape[0]
     if on_gpu and w.block is None and x2.shape[0] >= SCALED_MM_MIN_M and k % 16 == 0 and n % 16 == 0 \
             and x.dtype != torch.float32:

@@ -28,7 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight, rows_aligned
 from .arrivals import arrival_counts
-from .gpu_facts import compiled_on_gpu
+from .gpu_facts import compiled_on_gpu, gpu_arch, require_fp8
 from .moe_align import moe_align
 from .moe_config import MoeConfig, MoeExperts, default_config, gpt_oss_experts, split_gate_up  # noqa: F401
 from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4,
@@ -82,7 +82,7 @@ def takes_half2_input(experts: MoeExperts, num_tokens: int, top_k: int, x_dtype:
             and experts.activation == "swiglu_clamped"):
         return False
     return default_config(num_tokens * top_k, experts.num_experts, FMT_MXFP4, True, 2,
-                          bf16=x_dtype == torch.bfloat16).mx_half2
+                          bf16=x_dtype == torch.bfloat16, arch=gpu_arch(device)).mx_half2
 
 
 def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -111,13 +111,16 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     if t == 0:
         return out
     on_gpu = compiled_on_gpu(x.device)
+    arch = gpu_arch(x.device)
+    if FMT_FP8_ROW in (fmt, fmt_d) or FMT_FP8_BLK in (fmt, fmt_d):
+        require_fp8(x.device)
     # the MXFP4 tensor-core kernels need bf16 activations and MXFP4 down weights as well
     mma_ok = x.dtype == torch.bfloat16 and fmt_d == FMT_MXFP4
     # the TMA loads read MXFP4 stacks whose rows all start on 16-byte boundaries (scale rows
     # stored padded by the loader; a view narrowed along K may not be)
     tma_ok = (fmt == fmt_d == FMT_MXFP4 and experts.activation == "swiglu_clamped"
               and all(rows_aligned(t, TMA_ALIGN) for t in (wg, wu, wd, sg, su, sd)))
-    cfg = config or default_config(t * k, e, fmt, on_gpu, x.element_size(), bf16=mma_ok, tma=tma_ok)
+    cfg = config or default_config(t * k, e, fmt, on_gpu, x.element_size(), bf16=mma_ok, tma=tma_ok, arch=arch)
     blk_ks = [b[1] for f, b in ((fmt, sblock), (fmt_d, sdblock)) if f == FMT_FP8_BLK]
     if config is None and cfg.mx_half2 and (experts.activation != "swiglu_clamped" or fmt_d != FMT_MXFP4):
         # the packed-f16 kernels bound the GLU output by the clamp; other experts decode words
@@ -381,6 +384,7 @@ def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tenso
     sorted_ids, block_expert = moe_align(topk_ids, e, cfg.block_m)
     b_max = block_expert.numel()
     gate_up_regs, down_regs = _register_caps(cfg)
+    asm_decode = gpu_arch(x.device).hopper  # packed bf16 multiplies; a float32 decode before Hopper
     # element k = 32 g + 8 j + 4 h + q of a row goes to q * H / 4 + 8 g + 2 j + h (quarter_order)
     xq = x.reshape(t, h // 32, 4, 2, 4).permute(0, 4, 1, 2, 3).reshape(t, h)
     act = torch.empty((num_pairs, i), dtype=x.dtype, device=x.device)
@@ -389,14 +393,14 @@ def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tenso
         act, sorted_ids, block_expert, num_pairs, i, h, k, float(experts.alpha), float(experts.limit),
         ACT=ACTIVATIONS[experts.activation], HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **gate_up_regs)
+        ASM_DECODE=asm_decode, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **gate_up_regs)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias, bd, bd_stride = _down_bias(experts, x)
     moe_down_mma_kernel[(b_max, triton.cdiv(h, down_n))](
         act, *_code_words(wd), sd, *sd_strides, bd, bd_stride, topk_weights.reshape(-1).to(torch.float32), y,
         y.stride(0), sorted_ids, block_expert, num_pairs, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret,
-        BLOCK_M=cfg.block_m, BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages, num_warps=down_warps,
-        num_stages=down_stages, **down_regs)
+        BLOCK_M=cfg.block_m, BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages, ASM_DECODE=asm_decode,
+        num_warps=down_warps, num_stages=down_stages, **down_regs)
     return _combine(y, topk_ids, out)
 
 

@@ -14,6 +14,7 @@ import torch
 import triton
 
 from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight
+from .gpu_facts import MEASURED_ARCH, GpuArch
 from .moe_gemm import FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4
 
 
@@ -131,10 +132,12 @@ def gpt_oss_experts(gate_up: LinearWeight, gate_up_bias: torch.Tensor, down: Lin
 
 
 SHARED_MEMORY_BUDGET = 200 * 1024
+# what a tile may need beyond its pipelined operands (barriers)
+SHARED_MEMORY_MARGIN = 2 * 1024
 
 
 def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2,
-                   bf16: bool = True, tma: bool = False) -> MoeConfig:
+                   bf16: bool = True, tma: bool = False, arch: GpuArch = MEASURED_ARCH) -> MoeConfig:
     """Tile sizes by the expected pairs per expert (uniform routing). Each choice below is the
     fastest measured at that load on an H200 (bench/bench_moe_sweep.py, bench/moe_breakdown.py,
     bench/NOTES-moe.md). The row kernels' num_stages is the depth of the compiler's software
@@ -149,13 +152,22 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
     dot_scaled tiles there. FP8: pipelined row kernels up to one pair per expert (GLM-4.5V to 16 tokens; 64 rows
     a program from two tokens; at one token the down kernel sums each token's rows and has its
     own tile), then tiles (at 8 and 16 tokens the 16x64 tile measured 10-23% slower than
-    the row kernels)."""
+    the row kernels).
+
+    arch: the GPU's features (kernels/gpu_facts.py). Before Hopper no TMA (tma is ignored) and the
+    MXFP4 tensor-core kernels decode in float32; before Ada (no e4m3 conversions) the MXFP4 row
+    kernels are the word-decode ones; pipelined tiles keep to the GPU's shared memory. Those
+    choices are compiled for those GPUs (tests/kernels/hopper_compile.py), not measured on them."""
     if not on_gpu:
         return MoeConfig(16, 32, 64 if fmt == FMT_MXFP4 else 32, 1, 1)
     per_expert = num_pairs / max(num_experts, 1)
-    tma_rows = tma and num_pairs >= 16
+    tma_rows = tma and arch.hopper and num_pairs >= 16
     row_kernels_up_to = (1.5 if tma_rows else 1) if bf16 else 4  # pairs per expert
     if fmt == FMT_MXFP4 and per_expert <= row_kernels_up_to:
+        if not arch.fp8:
+            # the packed-f16 kernels convert through e4m3; the word-decode kernels' one-token
+            # tile (the default before the packed-f16 kernels, bench/NOTES-moe.md)
+            return MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True)
         if tma_rows:
             # words and scales through the TMA engine from 4 tokens (gpt-oss): faster than the
             # pointer kernels at 4-32 tokens, slower at 1-2 (bench/NOTES-moe.md). 32 rows a program
@@ -209,11 +221,15 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
     else:
         # FP8 at 64 pairs per expert (GLM-4.5V, 1024 tokens): K step 128 2092 us, 64 2506 us
         cfg = MoeConfig(64, 128, 64 if fmt == FMT_DENSE else 128, 8, 3)
-    # Pipelined tiles must fit in shared memory (227 KiB on Hopper): fewer stages for wide
-    # (fp32) operands.
+    # Pipelined tiles must fit in shared memory (227 KiB a program on Hopper, 99 KiB on Ada and
+    # consumer Blackwell): fewer stages for wide (fp32) operands or a smaller GPU. Where the
+    # tensor cores read both operands from shared memory (Hopper's wgmma) every stage has a
+    # buffer; with mma.sync (Ampere, Ada, consumer Blackwell) the compiler keeps stages - 1
+    # (sm_89 / sm_120 compiles, tests/kernels/hopper_compile.py).
     w_bytes = {FMT_DENSE: elem_bytes, FMT_MXFP4: 0.5}.get(fmt, 1)
     stage_bytes = cfg.block_k * (cfg.block_m * elem_bytes + 2 * cfg.block_n * w_bytes)
+    budget = min(SHARED_MEMORY_BUDGET, arch.shared_memory - SHARED_MEMORY_MARGIN)
     stages = cfg.num_stages
-    while stages > 1 and stages * stage_bytes > SHARED_MEMORY_BUDGET:
+    while stages > 1 and (stages if arch.mma_from_shared else stages - 1) * stage_bytes > budget:
         stages -= 1
     return MoeConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stages)

@@ -1,4 +1,4 @@
-"""MXFP4 MoE GEMMs on Hopper tensor cores: each expert's weights decoded once for all of its pairs.
+"""MXFP4 MoE GEMMs on the tensor cores: each expert's weights decoded once for all of its pairs.
 
 The row kernels (moe_gemv_half2.py) decode every weight once per (token, expert) pair. From two
 pairs per expert on (on average over all experts), decoding each expert's rows once and
@@ -22,9 +22,11 @@ Activations are therefore stored "quarter-major" (quarter_order): element k of a
 (k % 4) * (K / 4) + 8 (k // 32) + 2 ((k // 8) % 4) + (k // 4) % 2; the gate/up kernel writes
 its output for the down kernel in that order.
 
-Under TRITON_INTERPRET the assembly cannot run (and bf16 arithmetic is unreliable there): the
-kernels decode to float32 and multiply in float32 instead (INTERPRET=True), with the same loads,
-orders and masks.
+Before Hopper (ASM_DECODE=False: Ampere and Ada have no mul.bf16x2) the codes are decoded to
+float32 and scaled there (exact), then rounded to bf16 (exact: two significant bits) for the same
+dots in the same order, so the sums are those of the assembly. Under TRITON_INTERPRET the
+assembly cannot run either (and bf16 arithmetic is unreliable there): the kernels take that
+float32 decode and multiply in float32 (INTERPRET=True), with the same loads, orders and masks.
 """
 from __future__ import annotations
 
@@ -86,9 +88,10 @@ def _code_f32(w, i: tl.constexpr, mult):
 @triton.jit
 def _mma_chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_rows, x_mask,
                stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-               INTERPRET: tl.constexpr, BLOCK_K: tl.constexpr):
+               INTERPRET: tl.constexpr, ASM_DECODE: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [BN, BM] += this K chunk of W (rows n of expert e) @ the chunk's activations. x_rows
-    [1, BM]: pointers to each pair's quarter-major activation row; x_mask [1, BM]: real pairs."""
+    [1, BM]: pointers to each pair's quarter-major activation row; x_mask [1, BM]: real pairs.
+    With the assembly decode (ASM_DECODE, compiled) acc holds the sums times 2^-64 (UNSCALE)."""
     G: tl.constexpr = BLOCK_K // 32
     w, scale = _mx_words_raw(w_ptr, s_ptr, e, n, n_mask, k0, K, stride_we, stride_wn, stride_se, stride_sn,
                              stride_sk, BLOCK_K)
@@ -97,12 +100,15 @@ def _mma_chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_rows, x_mask,
     col = k0 // 4 + c
     x_ptrs = x_rows + col[:, None]
     x_ok = x_mask & (col < quarter)[:, None]
-    if INTERPRET:
+    if INTERPRET or not ASM_DECODE:
         mult = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]
         for i in tl.static_range(4):
             a = _interleave(_code_f32(w, i, mult), _code_f32(w, i + 4, mult))
-            xi = tl.load(x_ptrs + i * quarter, mask=x_ok, other=0.0).to(tl.float32)
-            acc = tl.dot(a, xi, acc)
+            xi = tl.load(x_ptrs + i * quarter, mask=x_ok, other=0.0)
+            if INTERPRET:
+                acc = tl.dot(a, xi.to(tl.float32), acc)
+            else:
+                acc = tl.dot(a.to(tl.bfloat16), xi, acc)
     else:
         m = (scale.to(tl.int32) + 62) << 7
         m = (m | (m << 16))[:, :, None] + tl.zeros((1, 1, 4), dtype=tl.int32)
@@ -124,7 +130,8 @@ def moe_gate_up_mma_kernel(
         bg_ptr, bu_ptr, stride_be, stride_bn,
         out_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, N, K, top_k, alpha, limit,
         ACT: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+        ASM_DECODE: tl.constexpr = True):
     """Program (M-block of one expert's pairs, n-block): out[p, quarter_pos(n)] = act(gate, up)
     (bf16, quarter-major [pairs, N]) with gate = Wg[e, n] . x[p // top_k] (+ bias). xq: bf16
     activations [T, K] in quarter-major order; wg / wu: int32 views of the codes [E, N, K / 8],
@@ -141,10 +148,10 @@ def moe_gate_up_mma_kernel(
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         acc_g = _mma_chunk(acc_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x_rows, x_mask, stride_we, stride_wn,
-                           stride_se, stride_sn, stride_sk, INTERPRET, BLOCK_K)
+                           stride_se, stride_sn, stride_sk, INTERPRET, ASM_DECODE, BLOCK_K)
         acc_u = _mma_chunk(acc_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x_rows, x_mask, stride_we, stride_wn,
-                           stride_se, stride_sn, stride_sk, INTERPRET, BLOCK_K)
-    if not INTERPRET:
+                           stride_se, stride_sn, stride_sk, INTERPRET, ASM_DECODE, BLOCK_K)
+    if ASM_DECODE and not INTERPRET:
         acc_g = acc_g * UNSCALE
         acc_u = acc_u * UNSCALE
     h = glu_tile(acc_g, acc_u, bg_ptr, bu_ptr, stride_be, stride_bn, e, n, n_mask, alpha, limit, ACT, HAS_BIAS)
@@ -160,7 +167,8 @@ def moe_down_mma_kernel(
         b_ptr, stride_be,
         pair_weights_ptr, y_ptr, stride_yt, sorted_ids_ptr, block_expert_ptr, num_pairs, N, K,
         HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+        ASM_DECODE: tl.constexpr = True):
     """Program (M-block of one expert's pairs, n-block): y[p, n] = pair weight * (Wd[e, n] . a[p]
     + bias[e, n]) in float32. aq: the gate/up output [pairs, K], quarter-major."""
     e, pairs, valid = _block_pairs(sorted_ids_ptr, block_expert_ptr, tl.program_id(0), num_pairs, True, BLOCK_M)
@@ -173,8 +181,8 @@ def moe_down_mma_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         acc = _mma_chunk(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, a_rows, valid[None, :], stride_we, stride_wn,
-                         stride_se, stride_sn, stride_sk, INTERPRET, BLOCK_K)
-    if not INTERPRET:
+                         stride_se, stride_sn, stride_sk, INTERPRET, ASM_DECODE, BLOCK_K)
+    if ASM_DECODE and not INTERPRET:
         acc = acc * UNSCALE
     if HAS_BIAS:
         acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]

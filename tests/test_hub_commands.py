@@ -11,7 +11,7 @@ from localchat.app import model_commands
 from localchat.engine.hub import DownloadFailed, sync
 from localchat.engine.planner import GpuInfo
 
-H100 = GpuInfo("NVIDIA H100 80GB HBM3", 81559 << 20, 80000 << 20, 0)
+H100 = GpuInfo("NVIDIA H100 80GB HBM3", 81559 << 20, 80000 << 20, 0, (9, 0))
 
 
 @pytest.fixture
@@ -93,12 +93,22 @@ def test_doctor_reports_the_machine_and_what_fits(fake, capsys):
     for needle in ("torch", "triton", "transformers", "huggingface_hub", "driver", "free disk",
                    f"{cache} (from HF_HUB_CACHE)", "hub token", "none (gated or private models need"):
         assert needle in out, needle
+    assert "NVIDIA H100 80GB HBM3, compute capability 9.0, 79.6 GiB total" in out
     fits = {line.split()[0]: line for line in out.split("models (")[1].splitlines()[2:]}
     assert "fits on 1 GPU" in fits["gpt-oss-120b"] and "does not fit" in fits["glm-4.5v"]
     code, out, _ = run(capsys, "doctor", "--assume-gpus", "2x141")
     assert code == 0 and "glm-4.5v      ~215.5 GB  fits on 2 GPUs" in out
     code, _, err = run(capsys, "doctor", "--assume-gpus", "lots")
     assert code == 1 and "--assume-gpus wants NxGB" in err
+
+
+def test_doctor_says_fp8_needs_a_newer_gpu(fake, capsys, monkeypatch):
+    a100 = [GpuInfo("NVIDIA A100-SXM4-80GB", 81920 << 20, 81000 << 20, i, (8, 0)) for i in range(2)]
+    monkeypatch.setattr(model_commands, "local_gpus", lambda: a100)
+    code, out, _ = run(capsys, "doctor")
+    fits = {line.split()[0]: line for line in out.split("models (")[1].splitlines()[2:]}
+    assert code == 0 and "FP8 weights need a GPU of compute capability 8.9" in fits["glm-4.5v-fp8"]
+    assert "fits on 1 GPU" in fits["gpt-oss-120b"] and "--quantize" not in fits["glm-4.5v"]
 
 
 def test_needs_table_has_a_row_per_model():

@@ -107,6 +107,29 @@ def test_glm_fp8_fits_one_h200_and_needs_two_80gb():
     assert p.verdict == "fits" and p.chosen.tp == 2 and p.advice == ["use 2 GPUs"]
 
 
+def test_gpus_before_ampere_and_fp8_before_ada_are_refused():
+    # A100s hold GLM-4.5V-FP8's bytes on two GPUs but cannot compute FP8; the bf16 model's advice
+    # stops offering --quantize fp8 there; an RTX 4090 (8.9) and GPUs of unknown capability run FP8
+    a100 = [GpuInfo("NVIDIA A100-SXM4-80GB", 81920 * MiB, 81000 * MiB, i, (8, 0)) for i in range(4)]
+    p = REGISTRY["glm-4.5v-fp8"].plan(a100)
+    assert p.verdict == "unsupported" and p.chosen is None and not p.fits
+    assert p.summary() == ("FP8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+                           "NVIDIA A100-SXM4-80GB is 8.0: use a bf16 or MXFP4 model")
+    assert REGISTRY["glm-4.5v"].plan(a100, quantize="fp8").verdict == "unsupported"
+    bf16 = REGISTRY["glm-4.5v"].plan(a100)
+    assert bf16.verdict == "fits" and bf16.chosen.tp == 4 and bf16.advice == ["use 4 GPUs"]
+    assert REGISTRY["gpt-oss-120b"].plan(a100[:1]).verdict == "fits"
+    ada = [GpuInfo("NVIDIA RTX 6000 Ada Generation", 49140 * MiB, 48000 * MiB, i, (8, 9)) for i in range(4)]
+    assert REGISTRY["glm-4.5v-fp8"].plan(ada).verdict == "fits"
+    assert REGISTRY["glm-4.5v-fp8"].plan(gpus(H200, 1)).verdict == "fits"
+    v100 = [GpuInfo("Tesla V100-SXM2-32GB", 32768 * MiB, 32000 * MiB, 0, (7, 0))]
+    p = REGISTRY["gpt-oss-20b"].plan(v100)
+    assert p.verdict == "unsupported" and p.summary().startswith("the kernels need a GPU of compute capability 8.0")
+    from localchat.engine import planner
+    from localchat.kernels import gpu_facts
+    assert (planner.MIN_CAPABILITY, planner.FP8_CAPABILITY) == (gpu_facts.MIN_CAPABILITY, gpu_facts.FP8_CAPABILITY)
+
+
 def test_tight_memory_gives_a_shorter_context():
     fp8 = REGISTRY["glm-4.5v-fp8"]
     per_token = fp8.kv.bytes_per_token()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ...kernels.gpu_facts import require_fp8, require_supported
 from ..spec import ModelSpec
 from .block_pool import BlockPool
 from .decode_graphs import DecodeGraphs
@@ -42,6 +43,19 @@ def resolve_device(device: str) -> torch.device:
         raise RuntimeError("--device cuda was asked for but no CUDA GPU is visible to torch; "
                            "use --device cpu (slow, for small checkpoints) or check the NVIDIA driver")
     return torch.device(device)
+
+
+def _require_gpus(indices: list[int], fp8: bool) -> None:
+    """Refuses, before any weight is read, GPUs the kernels cannot run on, or (fp8) FP8 weights
+    on a GPU without FP8."""
+    for i in indices:
+        device = torch.device("cuda", i)
+        require_supported(device)
+        try:
+            if fp8:
+                require_fp8(device)
+        except ValueError as e:
+            raise ValueError(f"{e} (GPU {i}); use a bf16 or MXFP4 model on it") from None
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -84,6 +98,9 @@ class Engine:
         self.path = path
         if ep and tp < 2:
             raise ValueError("expert parallelism splits the experts over the tensor-parallel ranks: it needs tp >= 2")
+        if dev.type == "cuda":
+            _require_gpus(list(gpus)[:tp] if gpus else list(range(tp)) if tp > 1 else [dev.index or 0],
+                          fp8=spec.quant.method == "fp8")
         if tp > 1:
             from ..parallel.group import start_parallel
 

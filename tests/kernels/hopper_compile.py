@@ -1,8 +1,10 @@
 """Compiles the decode-path Triton kernels for sm_90 (H100 / H200) with Triton's bundled ptxas,
 without a GPU: run as a script (TRITON_INTERPRET unset) by test_hopper_compile.py. It proves
 each specialization lowers to a cubin, not that it computes the right thing (the interpreter
-tests and `pytest -m gpu` do that). Prints one line per kernel; exits 1 if any fails. Every
-constexpr without a default must be given by its case. Run under another Triton release (for
+tests and `pytest -m gpu` do that). Then the same for Ampere, Ada and consumer Blackwell, each
+with the kernels the launchers send there, in the shared memory a program gets there. Prints
+one line per kernel; exits 1 if any fails. Every constexpr without a default must be given by
+its case. Run under another Triton release (for
 example `pip install triton==3.6.0` in a second environment, the release the H200 figures in
 BENCHMARKS.md come from) it checks that release's compile too."""
 import inspect
@@ -17,11 +19,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from localchat.kernels.attention_decode import _decode_split_kernel
+from localchat.kernels.attention_prefill import _prefill_kernel
 from localchat.kernels.fp8_linear import (_fp8_linear_kernel, _quant_groups_kernel, _quant_rows_kernel,
                                          _sum_splits_kernel)
 from localchat.kernels.glu import _silu_mul_kernel
+from localchat.kernels.gpu_facts import MEASURED_ARCH, GpuArch
 from localchat.kernels.moe_align import _align_count_kernel, _align_scatter_kernel
-from localchat.kernels.moe_gemm import moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel
+from localchat.kernels.moe_config import default_config
+from localchat.kernels.moe_gemm import (FMT_DENSE, FMT_FP8_ROW, moe_combine_kernel, moe_down_kernel,
+                                        moe_gate_up_kernel)
 from localchat.kernels.moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
 from localchat.kernels.moe_gemv_pairs import moe_down_pairs_kernel, moe_gate_up_pairs_kernel
@@ -34,6 +40,9 @@ from localchat.kernels.rotary import _rotary_kernel
 from localchat.kernels.row_gemv import row_gemv_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
+# GPUs of other generations, each with the least shared memory a program gets on it: Ampere (8.6:
+# RTX 30, A6000; an A100, 8.0, has more), Ada (RTX 40, L40) and consumer Blackwell (RTX 50)
+OTHER_GPUS = [GpuArch((8, 6), 101376), GpuArch((8, 9), 101376), GpuArch((12, 0), 101376)]
 
 
 def _types(overrides: dict[str, str]):
@@ -42,10 +51,11 @@ def _types(overrides: dict[str, str]):
 
 
 def compile_kernel(fn, types, constexprs: dict, num_warps: int = 4, num_stages: int = 1, divisible: bool = False,
-                   max_registers: int = 0):
-    """The compiled sm_90 kernel. divisible: pointers, strides, the sizes N and K and a K split's
-    length (K_SPLIT) marked 16-divisible, as the launcher specialises them at run time for the
-    real shapes (what the SASS then shows). max_registers: the launch's maxnreg (0: none)."""
+                   max_registers: int = 0, target: GPUTarget = HOPPER):
+    """The compiled kernel (sm_90 unless target says otherwise). divisible: pointers, strides, the
+    sizes N and K and a K split's length (K_SPLIT) marked 16-divisible, as the launcher specialises
+    them at run time for the real shapes (what the SASS then shows). max_registers: the launch's
+    maxnreg (0: none)."""
     names = fn.arg_names
     # as a launch leaves them: constexpr parameters at their defaults, and descriptor arguments the
     # case does not type at the pointer-load form's None
@@ -61,7 +71,7 @@ def compile_kernel(fn, types, constexprs: dict, num_warps: int = 4, num_stages: 
     options = dict(num_warps=num_warps, num_stages=num_stages)
     if max_registers:
         options["maxnreg"] = max_registers
-    kernel = triton.compile(src, target=HOPPER, options=options)
+    kernel = triton.compile(src, target=target, options=options)
     assert len(kernel.asm.get("cubin", b"")) > 0, "no cubin"
     return kernel
 
@@ -174,6 +184,17 @@ MMA = _types({"xq_ptr": "*bf16", "aq_ptr": "*bf16", "wg_ptr": "*i32", "wu_ptr": 
               "out_ptr": "*bf16", "y_ptr": "*fp32", "pair_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
               "block_expert_ptr": "*i32", "alpha": "fp32", "limit": "fp32"})
 
+TILE_BF16 = _types({**{n: TILE_FP8(n) for n in ("x_ptr", "bg_ptr", "bu_ptr", "out_ptr", "sorted_ids_ptr",
+                                                "block_expert_ptr", "alpha", "limit", "sg_ptr", "su_ptr")},
+                    "wg_ptr": "*bf16", "wu_ptr": "*bf16"})
+# kernels that decode through e4m3 conversions (Ada and newer), and the MXFP4 tensor-core ones
+# (their assembly decode, ASM_DECODE, from Hopper)
+E4M3_DECODE = (moe_gate_up_half2_kernel, moe_down_half2_kernel, moe_gate_up_pairs_kernel, moe_down_pairs_kernel)
+MMA_KERNELS = (moe_gate_up_mma_kernel, moe_down_mma_kernel)
+
+PREFILL_ATTENTION = _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "sinks_ptr")}
+                           | {"tables_ptr": "*i32", "lens_ptr": "*i32", "cu_ptr": "*i32", "qk_scale": "fp32"})
+
 CASES = []
 for prefetch in (False, True):
     CASES.append((f"MXFP4 gate/up words, prefetch {prefetch}", moe_gate_up_words_kernel, WORDS,
@@ -243,6 +264,11 @@ CASES += [
      ROTARY_ATTENTION,
      dict(G=12, G_PAD=16, D=128, BLOCK_N=64, NUM_SPLITS=64, HAS_WINDOW=False, HAS_SINKS=False, ROTARY=True, R=64),
      4, 2),
+    # prefill: GLM-4.5V's heads (12 per KV head, head_dim 128) and gpt-oss's (sinks, sliding window)
+    ("prefill attention, GLM-4.5V", _prefill_kernel, PREFILL_ATTENTION,
+     dict(G=12, D=128, BLOCK_M=64, BLOCK_N=64, HAS_SINKS=False, HAS_WINDOW=False), 4, 2),
+    ("prefill attention, gpt-oss", _prefill_kernel, PREFILL_ATTENTION,
+     dict(G=8, D=64, BLOCK_M=64, BLOCK_N=64, HAS_SINKS=True, HAS_WINDOW=True), 4, 2),
     ("FP8 activations per token and 128 columns", _quant_groups_kernel,
      _types({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}), dict(BLOCK_G=8), 4, 1),
     ("FP8 activations per token", _quant_rows_kernel,
@@ -306,6 +332,10 @@ PIPELINED = [
     ("FP8 linear tile 32x32x256, K split", _fp8_linear_kernel,
      _types({"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*fp32"}),
      dict(FORMAT=1, SBN=1, SBK=1, HAS_BIAS=False, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, SPLIT_K=4), 4, 3),
+    # its prefill tile (more than 32 tokens)
+    ("FP8 linear tile 64x64x128", _fp8_linear_kernel,
+     _types({"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16"}),
+     dict(FORMAT=1, SBN=1, SBK=1, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1), 4, 3),
     ("FP8 gate/up row kernel n32 k256 w4, 3 stages", moe_gate_up_gemv_kernel, GEMV_FP8,
      dict(FORMAT=1, SBN=1, SBK=1, SORTED=False, ACT=0, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
           STAGES=3), 4, 3),
@@ -315,24 +345,72 @@ PIPELINED = [
 ]
 
 
-def main() -> int:
+def _takes(arch: GpuArch, fn, types) -> bool:
+    """Whether the launchers send this kernel to a GPU of `arch` (kernels/moe_config.py
+    default_config, kernels/gpu_facts.py): FP8 operands and the packed-f16 MXFP4 kernels (e4m3
+    conversions) from Ada, descriptor (TMA) loads from Hopper."""
+    arg_types = [str(types(n)) for n in fn.arg_names]
+    if (any("fp8" in t for t in arg_types) or fn in E4M3_DECODE) and not arch.fp8:
+        return False
+    return arch.hopper or not any(t.startswith("tensordesc") for t in arg_types)
+
+
+def _check(name: str, compile_case, arch: GpuArch, pipelined: bool, descriptors: bool) -> bool:
+    """Compiles one case, checks it and prints a line; -> whether it passed."""
+    try:
+        kernel = compile_case()
+        # f16 -> bf16 in one step compiles to F2F, a slow conversion instruction: at one per
+        # weight value it bound the FP8 tensor-core tiles (bench/NOTES-moe.md)
+        assert "cvt.bf16.f16" not in kernel.asm["ptx"], "direct f16 -> bf16 conversion (F2F)"
+        if pipelined:
+            assert "async_copy_global_to_local" in kernel.asm["ttgir"], "K loop not software-pipelined"
+        if descriptors:
+            assert "async_tma_copy_global_to_local" in kernel.asm["ttgir"], "descriptor loads not TMA copies"
+        shared = kernel.metadata.shared
+        assert shared <= arch.shared_memory, f"{shared} bytes of shared memory, {arch.shared_memory} on the GPU"
+        print(f"ok     {name}")
+        return True
+    except Exception as e:  # report every kernel, then fail
+        print(f"FAILED {name}: {type(e).__name__}: {str(e)[:400]}")
+        return False
+
+
+def _prefill_tiles(arch: GpuArch):
+    """default_config's tiles for GLM-4.5V's experts at 1024 tokens (8192 pairs), FP8 channel scales
+    and bf16: the widest pipelined operands, which must keep to the GPU's shared memory."""
+    cases = []
+    for kind, fmt, types in (("FP8", FMT_FP8_ROW, TILE_FP8), ("bf16", FMT_DENSE, TILE_BF16)):
+        if fmt == FMT_FP8_ROW and not arch.fp8:
+            continue
+        cfg = default_config(8192, 128, fmt, True, 2, arch=arch)
+        cases.append((f"{kind} gate/up tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k}, {cfg.num_stages} stages",
+                      moe_gate_up_kernel, types, dict(FORMAT=fmt, MX_DOT_SCALED=True, SBN=1, SBK=1, X_FMT="bf16",
+                                                      ACT=0, HAS_BIAS=False, BLOCK_M=cfg.block_m,
+                                                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
+                      cfg.num_warps, cfg.num_stages))
+    return cases
+
+
+def check_target(arch: GpuArch, label: str = "") -> int:
+    """Compiles every case the launchers send to a GPU of `arch`; -> the number that failed."""
+    target = GPUTarget("cuda", arch.capability[0] * 10 + arch.capability[1], 32)
     failed = 0
-    for kind, (name, fn, types, constexprs, warps, stages) in ([("plain", c) for c in CASES]
-                                                               + [("pipelined", c) for c in PIPELINED]):
-        try:
-            # pipelined cases as launched: aligned pointers and strides make the loads vectorizable
-            kernel = compile_kernel(fn, types, constexprs, warps, stages, divisible=kind != "plain")
-            # f16 -> bf16 in one step compiles to F2F, a slow conversion instruction: at one per
-            # weight value it bound the FP8 tensor-core tiles (bench/NOTES-moe.md)
-            assert "cvt.bf16.f16" not in kernel.asm["ptx"], "direct f16 -> bf16 conversion (F2F)"
-            if kind == "pipelined":
-                assert "async_copy_global_to_local" in kernel.asm["ttgir"], "K loop not software-pipelined"
-            if any(str(types(n)).startswith("tensordesc") for n in fn.arg_names):
-                assert "async_tma_copy_global_to_local" in kernel.asm["ttgir"], "descriptor loads not TMA copies"
-            print(f"ok     {name}")
-        except Exception as e:  # report every kernel, then fail
-            failed += 1
-            print(f"FAILED {name}: {type(e).__name__}: {str(e)[:400]}")
+    cases = [("plain", c) for c in CASES] + [("pipelined", c) for c in PIPELINED + _prefill_tiles(arch)]
+    for kind, (name, fn, types, constexprs, warps, stages) in cases:
+        if not _takes(arch, fn, types):
+            continue
+        if fn in MMA_KERNELS:
+            constexprs = {**constexprs, "ASM_DECODE": arch.hopper}
+        descriptors = any(str(types(n)).startswith("tensordesc") for n in fn.arg_names)
+        # pipelined cases as launched: aligned pointers and strides make the loads vectorizable
+        failed += not _check(label + name, lambda: compile_kernel(fn, types, constexprs, warps, stages,
+                                                                  divisible=kind != "plain", target=target),
+                             arch, kind == "pipelined", descriptors)
+    return failed
+
+
+def main() -> int:
+    failed = check_target(MEASURED_ARCH)
     for (name, fn, types, constexprs, warps, stages), cap in REGISTER_CAPS:
         name = f"{name}, at most {cap} registers"
         try:
@@ -345,6 +423,9 @@ def main() -> int:
         except Exception as e:
             failed += 1
             print(f"FAILED {name}: {type(e).__name__}: {str(e)[:400]}")
+    for arch in OTHER_GPUS:
+        major, minor = arch.capability
+        failed += check_target(arch, f"sm_{major}{minor}: ")
     return 1 if failed else 0
 
 

@@ -513,3 +513,64 @@ def test_loaded_mxfp4_stacks_have_aligned_scale_rows():
         assert part.scales.stride(-2) % 16 == 0 and part.scales.data_ptr() % 16 == 0
     half = slice_value("experts.down", w, Slice(dim=2, start=1440, end=2880))
     assert torch.equal(half.dequantize(), w.dequantize()[..., 1440:])
+
+
+def test_defaults_keep_to_what_each_gpu_generation_has():
+    # Ada: no TMA (the pointer-fed packed-f16 kernels), the tensor-core tiles beyond one pair per
+    # expert; Ampere: no e4m3 conversions (the word-decode kernels); consumer Blackwell as Hopper
+    from localchat.kernels.gpu_facts import GpuArch
+    from localchat.kernels.moe import FMT_DENSE, FMT_FP8_ROW, FMT_MXFP4, default_config
+    ada, ampere, blackwell = GpuArch((8, 9), 101376), GpuArch((8, 0), 166912), GpuArch((12, 0), 101376)
+    for t in (1, 4, 32):
+        cfg = default_config(4 * t, 128, FMT_MXFP4, on_gpu=True, tma=True, arch=ada)
+        assert cfg.mx_half2 and not (cfg.tma or cfg.tma_down)
+        old = default_config(4 * t, 128, FMT_MXFP4, on_gpu=True, tma=True, arch=ampere)
+        assert old.mx_words and not old.mx_half2 and not old.tma
+        assert default_config(4 * t, 128, FMT_MXFP4, on_gpu=True, tma=True, arch=blackwell) == \
+            default_config(4 * t, 128, FMT_MXFP4, on_gpu=True, tma=True)
+    for arch in (ada, ampere):
+        assert default_config(4 * 64, 128, FMT_MXFP4, on_gpu=True, tma=True, arch=arch).mx_mma
+    # prefill tiles within 99 KiB a program: FP8 at 8192 pairs keeps its 3 stages (2 buffered,
+    # 96 KiB); with fp32 activations (128 KiB for 2 buffered) it drops to 2, where an H200 keeps 3
+    assert default_config(8192, 128, FMT_FP8_ROW, True, 2, arch=ada).num_stages == 3
+    assert default_config(8192, 128, FMT_FP8_ROW, True, 4, arch=ada).num_stages == 2
+    assert default_config(8192, 128, FMT_FP8_ROW, True, 4).num_stages == 3
+    assert default_config(8192, 128, FMT_DENSE, True, 2, arch=ada).num_stages == 3
+
+
+def test_fp8_weights_refused_before_ada(monkeypatch):
+    # on a GPU without e4m3 the FP8 launchers say so instead of failing to compile; before Ampere
+    # the engine refuses every model
+    from localchat.engine.runtime import engine
+    from localchat.kernels import gpu_facts
+    monkeypatch.setattr(gpu_facts, "compiled_on_gpu", lambda device: True)
+    monkeypatch.setattr(gpu_facts, "_cuda_arch", lambda index: gpu_facts.GpuArch((8, 0), 166912))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"compute capability 8.9 or newer .* NVIDIA A100-SXM4-80GB is 8.0"):
+        gpu_facts.require_fp8(torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"\(GPU 1\); use a bf16 or MXFP4 model"):
+        engine._require_gpus([1], fp8=True)
+    engine._require_gpus([1], fp8=False)  # bf16 and MXFP4 run from Ampere
+    monkeypatch.setattr(gpu_facts, "_cuda_arch", lambda index: gpu_facts.GpuArch((7, 0), 98304))
+    with pytest.raises(ValueError, match=r"compute capability 8.0 or newer .* is 7.0"):
+        engine._require_gpus([0], fp8=False)
+    monkeypatch.setattr(gpu_facts, "_cuda_arch", lambda index: gpu_facts.GpuArch((8, 9), 101376))
+    gpu_facts.require_fp8(torch.device("cuda", 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", [(8, 0), (8, 9), (12, 0)])
+def test_gpt_oss_defaults_of_other_gpu_generations_gpu(arch, monkeypatch):
+    # what default_config gives an A100 / RTX 40 / RTX 50 (word-decode kernels; pointer-fed
+    # packed-f16 kernels and the float32-decode tensor-core tiles; as Hopper), run here
+    from localchat.kernels import moe as moe_launchers
+    from localchat.kernels.gpu_facts import GpuArch
+    monkeypatch.setattr(moe_launchers, "gpu_arch", lambda device: GpuArch(arch, 101376))
+    e, k, h, i = 128, 4, 2880, 2880
+    experts = with_aligned_scale_rows(random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda"))
+    for t in (1, 4, 32, 64):
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+        w, ids = route_gpt_oss(torch.randn(t, e, device="cuda"), k)
+        err = rel_err(fused_moe(x, experts, w, ids), fused_moe_ref(x, experts, w, ids))
+        print(f"\ngpt-oss-120b as sm_{arch[0]}{arch[1]}, T={t}: rel err {err:.1e}")
+        assert err < TOL[torch.bfloat16]

@@ -92,6 +92,27 @@ def test_mma_small_shapes_gpu(codes, scales):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("codes,scales", [(None, (66, 193)), ((0, 1, 8, 9), (110, 131))])
+def test_mma_float32_decode_matches_the_assembly_gpu(codes, scales, monkeypatch):
+    # what GPUs before Hopper run (no mul.bf16x2): codes decoded and scaled in float32, rounded to
+    # bf16, the same dots in the same order -> within the bound of the reference, and the assembly
+    # path's sums exactly where its products (times 2^-64) stay float32 normals
+    from localchat.kernels import moe as moe_launchers
+    from localchat.kernels.gpu_facts import GpuArch
+    experts, x, w, ids = _case(5, 6, 2, 96, 160, scales=scales, codes=codes)
+    ref = fused_moe_ref(x, experts, w, ids)
+    for cfg in (MoeConfig(8, 16, 128, 1, 3, mx_mma=True, down_tile=(32, 128, 1, 3)),
+                MoeConfig(64, 128, 128, 8, 3, mx_mma=True)):
+        hopper = fused_moe(x, experts, w, ids, config=cfg)
+        with monkeypatch.context() as m:
+            m.setattr(moe_launchers, "gpu_arch", lambda device: GpuArch((8, 9), 101376))
+            ada = fused_moe(x, experts, w, ids, config=cfg)
+        _check_rows(ada, ref)
+        if scales == (110, 131):
+            assert torch.equal(ada, hopper)
+
+
+@pytest.mark.gpu
 def test_mma_rejects_tiles_that_fail_on_the_gpu():
     experts, x, w, ids = _case(2, 4, 2, 64, 64, drop=False)
     with pytest.raises(ValueError, match="multiple of 128"):
