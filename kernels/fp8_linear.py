@@ -281,23 +281,33 @@ def _scaled_mm_block_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | 
 
 
 @functools.lru_cache(maxsize=None)
-def blockwise_scaled_mm_works(device_index: int) -> bool:
-    """Whether torch._scaled_mm computes the 1x128 x 128x128 blockwise recipe right on this GPU
-    (Hopper, CUDA 12.9+ cuBLAS, a torch that passes it through): one small product against the
-    dequantised one, once per device. Elsewhere block scales keep the Triton tile."""
+def scaled_mm_works(device_index: int, block: bool) -> bool:
+    """Whether torch._scaled_mm computes this recipe right on this GPU, tried once per device on a
+    small product against the dequantised one: block, the 1x128 x 128x128 blockwise recipe
+    (Hopper, CUDA 12.9+ cuBLAS, a torch that passes it through); else per-token x per-channel
+    scales (cuBLAS or torch's own kernel, which not every GPU and torch pair has: Ada and consumer
+    Blackwell may refuse it). Where it does not, the Triton tiles run."""
     gen = torch.Generator(device=f"cuda:{device_index}").manual_seed(0)
     dev = torch.device("cuda", device_index)
-    x = torch.randn(8, 512, device=dev, generator=gen).to(torch.bfloat16)
+    x = torch.randn(48, 512, device=dev, generator=gen).to(torch.bfloat16)
     wf = torch.randn(256, 512, device=dev, generator=gen)
-    scale = wf.view(2, 128, 4, 128).abs().amax(dim=(1, 3)) / FP8_MAX
-    weight = (wf.view(2, 128, 4, 128) / scale[:, None, :, None]).view(256, 512).to(torch.float8_e4m3fn)
-    w = Fp8Weight(weight, scale, (128, 128))
+    if block:
+        scale = wf.view(2, 128, 4, 128).abs().amax(dim=(1, 3)) / FP8_MAX
+        weight = (wf.view(2, 128, 4, 128) / scale[:, None, :, None]).view(256, 512).to(torch.float8_e4m3fn)
+        w = Fp8Weight(weight, scale, (128, 128))
+    else:
+        scale = wf.abs().amax(dim=1, keepdim=True) / FP8_MAX
+        w = Fp8Weight((wf / scale).to(torch.float8_e4m3fn), scale, None)
     try:
-        out = _scaled_mm_block_linear(x, w, None).to(torch.float32)
+        out = (_scaled_mm_block_linear if block else _scaled_mm_linear)(x, w, None).to(torch.float32)
     except (RuntimeError, NotImplementedError, ValueError):
         return False
     ref = x.to(torch.float32) @ w.dequantize(torch.float32).T
     return bool(((out - ref).norm() / ref.norm()) < 5e-2)
+
+
+def _device_index(x: torch.Tensor) -> int:
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
 
 
 def _takes_blockwise_scaled_mm(x: torch.Tensor, w: Fp8Weight) -> bool:
@@ -305,7 +315,7 @@ def _takes_blockwise_scaled_mm(x: torch.Tensor, w: Fp8Weight) -> bool:
     if not (w.block == (128, 128) and x.shape[0] >= SCALED_MM_MIN_M and x.dtype in (torch.bfloat16, torch.float16)
             and k % 512 == 0 and n % 128 == 0 and w.weight.stride(-1) == 1):
         return False
-    return blockwise_scaled_mm_works(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return scaled_mm_works(_device_index(x), block=True)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *, block_n: int | None = None,
@@ -321,7 +331,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
     require_fp8(x.device)
     k, n = w.weight.shape[1], w.weight.shape[0]
     if on_gpu and w.block is None and x2.shape[0] >= SCALED_MM_MIN_M and k % 16 == 0 and n % 16 == 0 \
-            and x.dtype != torch.float32:
+            and x.dtype != torch.float32 and scaled_mm_works(_device_index(x2), block=False):
         out = _scaled_mm_linear(x2, w, bias)
     elif on_gpu and w.block is not None and _takes_blockwise_scaled_mm(x2, w):
         out = _scaled_mm_block_linear(x2, w, bias)

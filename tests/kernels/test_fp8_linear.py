@@ -4,8 +4,8 @@ import torch
 
 from kernel_checks import cuda_time_us, quantize_fp8_blocks, quantize_fp8_rows, rel_err
 from localchat.engine.weights.formats import Fp8Weight
-from localchat.kernels.fp8_linear import (SCALED_MM_MIN_M, blockwise_scaled_mm_works, fp8_linear, fp8_linear_ref,
-                                         quant_groups, quant_groups_ref, quant_rows, quant_rows_ref)
+from localchat.kernels.fp8_linear import (SCALED_MM_MIN_M, fp8_linear, fp8_linear_ref, quant_groups,
+                                         quant_groups_ref, quant_rows, quant_rows_ref, scaled_mm_works)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -113,4 +113,14 @@ def test_fp8_linear_block_large_m_gpu(m, n, k):
     assert rel_err(out, fp8_linear_ref(x, fw, b)) < 5e-2
     us = cuda_time_us(lambda: fp8_linear(x, fw, b))
     print(f"\nfp8_linear block M={m} N={n} K={k}: {us:.1f} us, {2 * m * n * k / us / 1e6:.0f} TFLOP/s, "
-          f"blockwise _scaled_mm {blockwise_scaled_mm_works(torch.cuda.current_device()) and k % 512 == 0}")
+          f"blockwise _scaled_mm {scaled_mm_works(torch.cuda.current_device(), block=True) and k % 512 == 0}")
+
+
+@pytest.mark.gpu
+def test_scaled_mm_recipes_on_hopper_gpu():
+    # the prefill paths the H200 figures come from: cuBLAS for per-token x per-channel scales and
+    # the blockwise recipe; elsewhere a refusal of either only sends those sizes to the tiles
+    index = torch.cuda.current_device()
+    if torch.cuda.get_device_capability(index)[0] != 9:
+        pytest.skip("the recipes are a Hopper expectation")
+    assert scaled_mm_works(index, block=False) and scaled_mm_works(index, block=True)
