@@ -230,6 +230,8 @@ CASES += [
     # the MXFP4 tensor-core kernels: one warp (mma.sync) and one warpgroup (wgmma) tiles
     ("MXFP4 gate/up mma 8x32x128 w2", moe_gate_up_mma_kernel, MMA,
      dict(ACT=1, HAS_BIAS=True, INTERPRET=False, BLOCK_M=8, BLOCK_N=32, BLOCK_K=128, STAGES=3), 2, 3),
+    ("MXFP4 gate/up mma 64x128x128 w4 (prefill)", moe_gate_up_mma_kernel, MMA,
+     dict(ACT=1, HAS_BIAS=True, INTERPRET=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, STAGES=3), 4, 3),
     ("MXFP4 down mma 64x128x128 w4", moe_down_mma_kernel, MMA,
      dict(HAS_BIAS=True, INTERPRET=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, STAGES=3), 4, 3),
     ("MoE routing, gpt-oss", _route_kernel, _types({"logits_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
