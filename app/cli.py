@@ -138,19 +138,25 @@ def _request(args, model_dir: Path):
 
 
 def _model_dir(args) -> Path:
-    """A local checkpoint directory for MODEL, downloading it on first use ("demo": built on first use)."""
+    """A local checkpoint directory for MODEL, downloading it on first use ("demo": built on first use).
+    A registry model is first planned against the GPUs from its known sizes, so one that cannot
+    run on them is refused before its download."""
     from ..engine.hub import ensure_local
+    from ..engine.registry import REGISTRY
     from .demo import DEMO_NAME, ensure_demo
 
     if args.model == DEMO_NAME:  # a directory of that name is still reachable as ./demo
         return ensure_demo()
+    entry = REGISTRY.get(args.model)
+    if entry is not None and not Path(args.model).is_dir():
+        _check_fits(args, lambda gpus: entry.plan(gpus, max_context=args.max_context))
     return Path(ensure_local(args.model, offline=args.offline or None))
 
 
-def _check_fits(args, model_dir: Path) -> None:
-    """Refuses early, with advice, what would otherwise end in a CUDA out-of-memory error."""
-    from ..engine.planner import MIN_CONTEXT, checkpoint_weight_bytes, local_gpus, plan
-    from ..engine.spec import ModelSpec
+def _check_fits(args, plan_for) -> None:
+    """Refuses early, with advice, what would otherwise end in a CUDA out-of-memory error or a
+    kernel the GPU cannot run. plan_for(gpus) -> the planner's Plan for those GPUs."""
+    from ..engine.planner import MIN_CONTEXT, local_gpus
 
     gpus = [] if args.device == "cpu" else local_gpus()
     if not gpus:
@@ -160,9 +166,7 @@ def _check_fits(args, model_dir: Path) -> None:
     chosen = [g for g in gpus if g.index in wanted]
     if len(chosen) < tp:
         return  # the engine names the missing GPU
-    spec = ModelSpec.from_dir(model_dir)
-    result = plan(spec, checkpoint_weight_bytes(model_dir), chosen, max_context=args.max_context,
-                  fp8=spec.quant.method == "fp8")
+    result = plan_for(chosen)
     where = f"GPU {chosen[0].index}" if tp == 1 else f"GPUs {','.join(str(g.index) for g in chosen)}"
     if result.verdict == "unsupported":
         raise UserError(f"{args.model} cannot run on {where}: {result.summary()}")
@@ -179,6 +183,17 @@ def _check_fits(args, model_dir: Path) -> None:
         print(f"localchat: context limited to {args.max_context} tokens to fit GPU memory", file=sys.stderr)
 
 
+def _check_checkpoint_fits(args, model_dir: Path) -> None:
+    """_check_fits with the checkpoint's own sizes and format."""
+    from ..engine.planner import checkpoint_weight_bytes, plan
+    from ..engine.spec import ModelSpec
+
+    spec = ModelSpec.from_dir(model_dir)
+    weights = checkpoint_weight_bytes(model_dir)
+    _check_fits(args, lambda gpus: plan(spec, weights, gpus, max_context=args.max_context,
+                                        fp8=spec.quant.method == "fp8"))
+
+
 def _print_progress(done: int, total: int, file: str) -> None:
     print(f"\rloading {Path(file).name}: {done / max(total, 1):6.1%}", end="", file=sys.stderr, flush=True)
 
@@ -186,7 +201,7 @@ def _print_progress(done: int, total: int, file: str) -> None:
 def _load_engine(args, model_dir: Path):
     from ..engine.runtime.engine import Engine
 
-    _check_fits(args, model_dir)
+    _check_checkpoint_fits(args, model_dir)
     progress = _print_progress if sys.stderr.isatty() and not getattr(args, "json", False) else None
     engine = Engine(model_dir, device=args.device, dtype=args.dtype, max_context=args.max_context,
                     on_progress=progress, name=args.model, tp=_tp(args), ep=args.ep, gpus=args.gpus)

@@ -142,7 +142,8 @@ def test_a_busy_port_is_said_before_the_model_loads():
 
 def test_gpus_that_cannot_run_a_model_are_named_before_loading(monkeypatch):
     # an A100 runs gpt-oss but not FP8 weights; a V100 runs nothing (the planner's reasons)
-    from localchat.app.cli import UserError, _check_fits, _default_model, _run_model, build_parser
+    from localchat.app.cli import (UserError, _check_checkpoint_fits, _default_model, _model_dir, _run_model,
+                                   build_parser)
     from localchat.engine import planner
     a100 = [planner.GpuInfo("NVIDIA A100-SXM4-80GB", 80 << 30, 79 << 30, i, (8, 0)) for i in range(2)]
     monkeypatch.setattr(planner, "local_gpus", lambda: a100)
@@ -150,7 +151,12 @@ def test_gpus_that_cannot_run_a_model_are_named_before_loading(monkeypatch):
     args = build_parser().parse_args(["run", str(open_fixture("glm-fp8-block")), "--prompt", "hi"])
     _run_model(args)
     with pytest.raises(UserError, match=r"cannot run on GPU 0: FP8 weights need .* compute capability 8.9"):
-        _check_fits(args, Path(args.model))
+        _check_checkpoint_fits(args, Path(args.model))
+    # a registry model before its download (none happens: the check comes first)
+    registry = build_parser().parse_args(["run", "glm-4.5v-fp8", "--prompt", "hi"])
+    _run_model(registry)
+    with pytest.raises(UserError, match=r"glm-4.5v-fp8 cannot run on GPU 0: FP8 weights need"):
+        _model_dir(registry)
     monkeypatch.setattr(planner, "local_gpus", lambda: [planner.GpuInfo("Tesla V100", 32 << 30, 31 << 30, 0, (7, 0))])
     with pytest.raises(UserError, match=r"compute capability 8.0 or newer .* Tesla V100 is 7.0"):
         _default_model()
