@@ -25,6 +25,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "number of --gpus listed, else 1); with --device cpu, N CPU processes")
     p.add_argument("--ep", action="store_true",
                    help="expert parallel: split the MoE experts whole over the --tp ranks instead of slicing each one")
+    p.add_argument("--quantize", default=None, choices=["fp8"],
+                   help="store a bf16 checkpoint's decoder projections as FP8 with a scale per row while loading "
+                        "(half their memory; GLM-4.5V then fits one 141 GB GPU); needs compute capability 8.9+")
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -149,7 +152,7 @@ def _model_dir(args) -> Path:
         return ensure_demo()
     entry = REGISTRY.get(args.model)
     if entry is not None and not Path(args.model).is_dir():
-        _check_fits(args, lambda gpus: entry.plan(gpus, max_context=args.max_context))
+        _check_fits(args, lambda gpus: entry.plan(gpus, max_context=args.max_context, quantize=args.quantize))
     return Path(ensure_local(args.model, offline=args.offline or None))
 
 
@@ -190,7 +193,7 @@ def _check_checkpoint_fits(args, model_dir: Path) -> None:
 
     spec = ModelSpec.from_dir(model_dir)
     weights = checkpoint_weight_bytes(model_dir)
-    _check_fits(args, lambda gpus: plan(spec, weights, gpus, max_context=args.max_context,
+    _check_fits(args, lambda gpus: plan(spec, weights, gpus, max_context=args.max_context, quantize=args.quantize,
                                         fp8=spec.quant.method == "fp8"))
 
 
@@ -204,7 +207,8 @@ def _load_engine(args, model_dir: Path):
     _check_checkpoint_fits(args, model_dir)
     progress = _print_progress if sys.stderr.isatty() and not getattr(args, "json", False) else None
     engine = Engine(model_dir, device=args.device, dtype=args.dtype, max_context=args.max_context,
-                    on_progress=progress, name=args.model, tp=_tp(args), ep=args.ep, gpus=args.gpus)
+                    on_progress=progress, name=args.model, tp=_tp(args), ep=args.ep, gpus=args.gpus,
+                    quantize=args.quantize)
     if progress:
         print(file=sys.stderr)
     return engine

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .weights.quant_config import fp8_candidate
 from .weights.safetensors_files import scan_checkpoint
 
 GiB = 1 << 30
@@ -159,10 +160,7 @@ def _is_replicated(name: str) -> bool:
 
 
 def _is_fp8_candidate(t: TensorInfo) -> bool:
-    # The decoder's projection matrices: what the FP8 checkpoint quantizes (its ignore list keeps
-    # lm_head, the vision tower and the router gate in bf16; embeddings are not Linear layers).
-    return (t.dtype in _FLOAT_DTYPES and len(t.shape) == 2 and t.name.endswith("_proj.weight")
-            and ".layers." in t.name and "visual" not in t.name)
+    return t.dtype in _FLOAT_DTYPES and fp8_candidate(t.name, t.shape)
 
 
 def checkpoint_weight_bytes(path: str | Path, model_id: str | None = None) -> WeightBytes:

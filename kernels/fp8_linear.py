@@ -24,12 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..engine.weights.formats import Fp8Weight
+from ..engine.weights.formats import FP8_MAX, Fp8Weight
 from .gpu_facts import MEASURED_SMS, compiled_on_gpu, require_fp8, sm_count
 from .moe_gemm import FMT_FP8_BLK, FMT_FP8_ROW, _row_scale, _weight_dot
 from .row_gemv import GEMV_MAX_M, row_gemv_kernel
 
-FP8_MAX = 448.0
 E4M3_MAX = tl.constexpr(FP8_MAX)
 # From this many tokens the FP8 tensor-core GEMMs (torch._scaled_mm) beat the Triton tile. H200,
 # 48 tokens (bench/bench_fp8_linear.py): channel scales 12288x4096 29.8 -> 26.2 us, 4096x12288

@@ -85,7 +85,11 @@ def gpu_arch(device: torch.device) -> GpuArch:
 
 
 def require_supported(device: torch.device) -> None:
-    """Raises ValueError when `device` is a GPU older than the kernels need."""
+    """Raises ValueError when `device` is a GPU the kernels cannot run on: an AMD one (they hold
+    NVIDIA assembly), or one older than they need."""
+    if compiled_on_gpu(device) and torch.version.hip:
+        raise ValueError("the kernels are written for NVIDIA GPUs and this torch is built for AMD GPUs (ROCm); "
+                         "use a CUDA build of torch on an NVIDIA GPU, or --backend with a server that runs on yours")
     if compiled_on_gpu(device) and gpu_arch(device).capability < MIN_CAPABILITY:
         major, minor = gpu_arch(device).capability
         raise ValueError(f"the kernels need an NVIDIA GPU of compute capability {MIN_CAPABILITY[0]}."

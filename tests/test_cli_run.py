@@ -160,3 +160,13 @@ def test_gpus_that_cannot_run_a_model_are_named_before_loading(monkeypatch):
     monkeypatch.setattr(planner, "local_gpus", lambda: [planner.GpuInfo("Tesla V100", 32 << 30, 31 << 30, 0, (7, 0))])
     with pytest.raises(UserError, match=r"compute capability 8.0 or newer .* Tesla V100 is 7.0"):
         _default_model()
+
+
+def test_run_quantizes_a_bf16_checkpoint_to_fp8_while_loading():
+    out = run_cli("run", open_fixture("glm-bf16"), "--prompt", "Hello", "--temperature", "0", "--max-tokens", "4",
+                  "--json", "--quantize", "fp8")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["token_ids"] and result["finish_reason"] in ("stop", "length")
+    again = run_cli("run", open_fixture("gpt-oss-mxfp4"), "--prompt", "Hello", "--quantize", "fp8")
+    assert again.returncode != 0 and "already quantized" in again.stderr and "Traceback" not in again.stderr

@@ -101,6 +101,44 @@ def test_gpt_oss_layouts():
             assert gu.weight.is_contiguous() and gu.weight.dtype == torch.bfloat16
 
 
+def test_quantize_fp8_at_load_gives_the_channel_layout():
+    # a bf16 checkpoint's decoder projections become e4m3 codes with a float32 scale per row, bit
+    # for bit what an independent encoder makes of the same weights; the same modules as the FP8
+    # checkpoint quantizes (lm_head, vision tower, router, embeddings and norms stay as they are)
+    from fixtures.quantize import fp8_channel
+    path = open_fixture("glm-bf16")
+    spec = read_spec(path)
+    plain = load_weights(path, spec)
+    quantized = load_weights(path, spec, quantize="fp8")
+    assert sorted(quantized) == sorted(plain)
+    converted = {k for k, v in quantized.items() if isinstance(v, Fp8Weight)}
+    fp8_path = open_fixture("glm-fp8-channel")
+    assert converted == {k for k, v in load_weights(fp8_path, read_spec(fp8_path)).items() if isinstance(v, Fp8Weight)}
+    assert "model.language_model.layers.1.mlp.experts.gate_proj.weight" in converted
+    for key, rec in quantized.items():
+        if key not in converted:
+            got, ref = as_float(rec), as_float(plain[key])
+            assert got.dtype == ref.dtype and torch.equal(got, ref), key
+            continue
+        assert rec.block is None and rec.weight.dtype == torch.float8_e4m3fn and rec.scale.dtype == torch.float32
+        source = plain[key].weight
+        for e in range(source.shape[0]) if source.dim() == 3 else [None]:
+            w, q, scale = (source, rec.weight, rec.scale) if e is None else (source[e], rec.weight[e], rec.scale[e])
+            q_ref, scale_ref, _ = fp8_channel(w, torch.float32)
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref), key
+    assert weight_bytes(quantized) < 0.75 * weight_bytes(plain)
+
+
+def test_quantize_fp8_needs_a_bf16_checkpoint():
+    for name in ("glm-fp8-channel", "gpt-oss-mxfp4"):
+        path = open_fixture(name)
+        with pytest.raises(ValueError, match="already quantized"):
+            load_weights(path, read_spec(path), quantize="fp8")
+    path = open_fixture("glm-bf16")
+    with pytest.raises(ValueError, match="only 'fp8'"):
+        load_weights(path, read_spec(path), quantize="int4")
+
+
 def test_progress_reports_every_byte_file_by_file():
     path = open_fixture("glm-fp8-block")
     spec = read_spec(path)
@@ -132,12 +170,13 @@ def _tensors(v):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", FIXTURE_NAMES)
-def test_loads_onto_cuda_unchanged(name):
+@pytest.mark.parametrize("name,quantize", [(n, None) for n in FIXTURE_NAMES] + [("glm-bf16", "fp8")])
+def test_loads_onto_cuda_unchanged(name, quantize):
+    # FP8 made while loading: the same codes and scales on the GPU as on the CPU
     path = open_fixture(name)
     spec = read_spec(path)
-    cpu = load_weights(path, spec, dtype=torch.bfloat16)
-    gpu = load_weights(path, spec, dtype=torch.bfloat16, device="cuda")
+    cpu = load_weights(path, spec, dtype=torch.bfloat16, quantize=quantize)
+    gpu = load_weights(path, spec, dtype=torch.bfloat16, device="cuda", quantize=quantize)
     assert sorted(cpu) == sorted(gpu)
     for key in cpu:
         assert type(cpu[key]) is type(gpu[key])

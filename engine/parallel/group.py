@@ -142,18 +142,19 @@ class WorkerGroup:
             raise errors[0]
 
     def load(self, path: str | Path, spec: ModelSpec, dtype: torch.dtype, on_progress=None,
-             expert_parallel: bool | None = None):
+             expert_parallel: bool | None = None, quantize: str | None = None):
         """Every rank reads its slices of the checkpoint at `path` and builds its model (replacing
         any model loaded before); returns rank 0's model. on_progress(done, total, file) follows
-        rank 0's reading. expert_parallel: change the split of the experts from the group's."""
+        rank 0's reading. expert_parallel: change the split of the experts from the group's.
+        quantize: as load_weights'."""
         if expert_parallel is not None:
             self.expert_parallel = expert_parallel
             self.ctx = dataclasses.replace(self.ctx, expert_parallel=expert_parallel)
         for rank in range(self.world_size):  # refuse an impossible split before any rank reads
             shard_plan(spec, self.world_size, rank, self.expert_parallel)
         try:
-            self._broadcast("load", str(path), spec, self.expert_parallel, dtype)
-            model, report = load_rank(path, spec, self.ctx, self.device, dtype, on_progress)
+            self._broadcast("load", str(path), spec, self.expert_parallel, dtype, quantize)
+            model, report = load_rank(path, spec, self.ctx, self.device, dtype, on_progress, quantize)
             self.reports = [report] + [r[1] for r in self._replies(LOADED)]
         except BaseException:
             self.close()
@@ -349,11 +350,12 @@ class WorkerGroup:
 
 
 def start_parallel(path: str | Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype, *, tp: int,
-                   ep: bool = False, gpus: list[int] | None = None, on_progress=None) -> WorkerGroup:
+                   ep: bool = False, gpus: list[int] | None = None, on_progress=None,
+                   quantize: str | None = None) -> WorkerGroup:
     """A started and loaded group for the checkpoint at `path`: group.model is rank 0's model."""
     devices = parallel_devices(device, tp, gpus)
     for rank in range(tp):  # an impossible split is refused before any process starts
         shard_plan(spec, tp, rank, ep)
     group = WorkerGroup(devices, ep).start()
-    group.load(path, spec, dtype, on_progress)
+    group.load(path, spec, dtype, on_progress, quantize=quantize)
     return group

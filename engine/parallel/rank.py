@@ -27,9 +27,9 @@ class LoadReport:
 
 
 def load_rank(path: str | Path, spec: ModelSpec, ctx: ParallelContext, device: torch.device, dtype: torch.dtype,
-              on_progress: ProgressFn | None = None):
+              on_progress: ProgressFn | None = None, quantize: str | None = None):
     """Reads only this rank's ranges of the checkpoint (shard_plan) and builds its model.
-    Returns (model, LoadReport)."""
+    quantize: as load_weights'. Returns (model, LoadReport)."""
     plan = shard_plan(spec, ctx.world_size, ctx.rank, ctx.expert_parallel)
     read = [0]
 
@@ -38,7 +38,8 @@ def load_rank(path: str | Path, spec: ModelSpec, ctx: ParallelContext, device: t
         if on_progress is not None:
             on_progress(done, total, file)
 
-    weights = load_weights_slice(path, spec, plan, device=device, dtype=dtype, on_progress=progress)
+    weights = load_weights_slice(path, spec, plan, device=device, dtype=dtype, on_progress=progress,
+                                 quantize=quantize)
     model = build_model(spec, weights, device, ctx)
     free = total = 0
     if device.type == "cuda":

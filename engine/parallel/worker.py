@@ -94,9 +94,9 @@ def _serve(conn, rank: int, world_size: int, device: torch.device) -> None:
                 inputs.features = torch.zeros(image_rows, spec.hidden_size, dtype=dtype, device=device)
             runner.execute(inputs)
         elif kind == "load":
-            path, spec, expert_parallel, dtype = message[1:]
+            path, spec, expert_parallel, dtype, quantize = message[1:]
             ctx = ParallelContext(rank, world_size, expert_parallel, dist.group.WORLD)
-            model, report = load_rank(path, spec, ctx, device, dtype)
+            model, report = load_rank(path, spec, ctx, device, dtype, quantize=quantize)
             send(conn, LOADED, report)
         elif kind == "decode":
             runner.graphs.run(*message[1])

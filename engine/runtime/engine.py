@@ -80,13 +80,16 @@ class Engine:
 
     tp > 1 splits the model over tp processes, one per GPU (`gpus`, default 0..tp-1; on the CPU,
     tp processes), each reading only its slices of the checkpoint; ep splits the routed experts
-    whole across them instead of slicing every expert (engine/parallel/)."""
+    whole across them instead of slicing every expert (engine/parallel/). quantize "fp8" stores a
+    bf16 checkpoint's decoder projections as FP8 with a scale per row while loading
+    (weights/loader.py)."""
 
     workers = None  # the other ranks' processes (engine.parallel.group.WorkerGroup) when tp > 1
 
     def __init__(self, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto",
                  max_context: int | None = None, on_progress=None, name: str | None = None,
-                 tp: int = 1, ep: bool = False, gpus: list[int] | None = None, **serving):
+                 tp: int = 1, ep: bool = False, gpus: list[int] | None = None, quantize: str | None = None,
+                 **serving):
         from ..models import build_model
         from ..weights.loader import load_weights, weight_bytes
 
@@ -100,16 +103,17 @@ class Engine:
             raise ValueError("expert parallelism splits the experts over the tensor-parallel ranks: it needs tp >= 2")
         if dev.type == "cuda":
             _require_gpus(list(gpus)[:tp] if gpus else list(range(tp)) if tp > 1 else [dev.index or 0],
-                          fp8=spec.quant.method == "fp8")
+                          fp8=spec.quant.method == "fp8" or quantize == "fp8")
         if tp > 1:
             from ..parallel.group import start_parallel
 
-            self.workers = start_parallel(path, spec, dev, dt, tp=tp, ep=ep, gpus=gpus, on_progress=on_progress)
+            self.workers = start_parallel(path, spec, dev, dt, tp=tp, ep=ep, gpus=gpus, on_progress=on_progress,
+                                          quantize=quantize)
             model, dev, nbytes = self.workers.model, self.workers.device, self.workers.weights_bytes
         else:
             if gpus:
                 dev = torch.device("cuda", gpus[0]) if dev.type == "cuda" else dev
-            weights = load_weights(path, spec, device=dev, dtype=dt, on_progress=on_progress)
+            weights = load_weights(path, spec, device=dev, dtype=dt, on_progress=on_progress, quantize=quantize)
             model, nbytes = build_model(spec, weights, dev), weight_bytes(weights)
         try:
             self._setup(spec, model, formatter, dev, dt, name or path.name, max_context, nbytes, **serving)

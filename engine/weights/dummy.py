@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 
 from ..spec import ModelSpec
-from .formats import MXFP4_BLOCK, DenseWeight, Fp8Weight, Mxfp4Weight, aligned_scale_rows
+from .formats import FP8_MAX, MXFP4_BLOCK, DenseWeight, Fp8Weight, Mxfp4Weight, aligned_scale_rows
 from .schema import LinearModule, Mxfp4Experts, PlainTensor, TransposedExperts, expected_entries
 
-FP8_MAX = 448.0
 
 
 def _normal(shape, std: float, device, dtype, gen) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 # E2M1 code -> value; bit 3 is the sign (OCP Microscaling Formats v1.0, section 5.3.3).
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_BLOCK = 32
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,15 @@ class Fp8Weight:
             n, k = w.shape[-2:]
             s = s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
         return (w * s).to(dtype)
+
+
+def fp8_rows(w: torch.Tensor) -> Fp8Weight:
+    """w [..., N, K] (bf16/fp16/fp32) -> the FP8 channel layout of the FP8 checkpoints: e4m3 codes
+    and a float32 scale per row, each row's largest magnitude at e4m3's largest finite value (the
+    codes rounded to nearest). An all-zero row gets the smallest normal scale and zero codes."""
+    wf = w.to(torch.float32)
+    scale = (wf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return Fp8Weight((wf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale)
 
 
 @dataclass(frozen=True)

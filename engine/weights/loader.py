@@ -17,9 +17,9 @@ from safetensors import SafetensorError, safe_open
 
 from ..spec import ModelSpec, UnsupportedModel
 from .errors import CheckpointError, redownload_hint
-from .formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight, aligned_scale_rows, stored_bytes
+from .formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight, aligned_scale_rows, fp8_rows, stored_bytes
 from .plan import LoadPlan, PlannedOutput, plan_load
-from .quant_config import UnsupportedQuantization
+from .quant_config import UnsupportedQuantization, fp8_candidate
 from .safetensors_files import scan_checkpoint
 from .schema import LinearModule, Mxfp4Experts, PlainTensor, TransposedExperts
 
@@ -51,18 +51,21 @@ def check_checkpoint(path: str | Path, spec: ModelSpec, *, model_id: str | None 
 
 def load_weights(path: str | Path, spec: ModelSpec, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, on_progress: ProgressFn | None = None,
-                 model_id: str | None = None, strict: bool = True) -> Weights:
+                 model_id: str | None = None, strict: bool = True, quantize: str | None = None) -> Weights:
     """Read every weight of the checkpoint at `path`, converted to the engine's naming (schema.py).
 
     dtype: floating tensors and DenseWeight records are cast to it (None keeps the file dtype);
     FP8 and MXFP4 payloads keep theirs, FP8 scales and GLM's e_score_correction_bias are float32.
     on_progress(done_bytes, total_bytes, file) is called after each tensor read.
     model_id names the repo in error messages (`localchat pull <model_id>`).
+    quantize "fp8": a bf16 checkpoint's decoder projections are stored as FP8 with a scale per row
+    as they are read (quant_config.fp8_candidate; the FP8 checkpoints' channel layout).
     Raises CheckpointError, before reading data, for any missing/corrupt/mismatched file or tensor.
     """
     plan = check_checkpoint(path, spec, model_id=model_id, strict=strict)
+    _check_quantize(quantize, spec, plan)
     device = torch.device(device)
-    builders = [_builder(o, plan, device, dtype) for o in plan.outputs]
+    builders = [_builder(o, plan, device, dtype, quantize) for o in plan.outputs]
     route = {p.info.name: (b, p) for b, o in zip(builders, plan.outputs) for p in o.parts}
     by_file: dict[Path, list] = {}
     for _, part in route.values():
@@ -141,19 +144,37 @@ class _Linear(_Builder):
             t = _normalise_scale(t, self.strategy).to(self.device)
         else:
             t = _cast(t, self.device, self.dtype)
+        self._keep(part.role, part.expert, t)
+
+    def _keep(self, role: str, expert: int | None, t: torch.Tensor) -> None:
         if not self.entry.stacked:
-            self.parts[part.role] = t
+            self.parts[role] = t
             return
-        buf = self.parts.get(part.role)
+        buf = self.parts.get(role)
         if buf is None:
-            buf = self.parts[part.role] = torch.empty((len(self.entry.sources), *t.shape), dtype=t.dtype, device=self.device)
-        buf[part.expert].copy_(t)
+            buf = self.parts[role] = torch.empty((len(self.entry.sources), *t.shape), dtype=t.dtype, device=self.device)
+        buf[expert].copy_(t)
 
     def finish(self):
         w = self.parts["weight"]
         if not self.fp8:
             return {self.entry.out: DenseWeight(w)}
         return {self.entry.out: Fp8Weight(w, self.parts["scale"], self.block)}
+
+
+class _Fp8AtLoad(_Linear):
+    """A bf16 linear (or GLM expert stack) stored as FP8 with a scale per row as each weight
+    arrives (`--quantize fp8`; formats.fp8_rows), so its bf16 copy never accumulates."""
+
+    def put(self, part, t):
+        if part.role != "weight":
+            return super().put(part, t)
+        w = fp8_rows(t.to(self.device))
+        self._keep("weight", part.expert, w.weight)
+        self._keep("scale", part.expert, w.scale)
+
+    def finish(self):
+        return {self.entry.out: Fp8Weight(self.parts["weight"], self.parts["scale"])}
 
 
 class _Mxfp4(_Builder):
@@ -171,9 +192,28 @@ class _Transposed(_Builder):
         return {self.entry.out: DenseWeight(self.parts["tensor"])}
 
 
-def _builder(o: PlannedOutput, plan: LoadPlan, device, dtype) -> _Builder:
+def _builder(o: PlannedOutput, plan: LoadPlan, device, dtype, quantize: str | None = None) -> _Builder:
     kind = {PlainTensor: _Plain, LinearModule: _Linear, Mxfp4Experts: _Mxfp4, TransposedExperts: _Transposed}
+    if quantize == "fp8" and _quantized_at_load(o):
+        return _Fp8AtLoad(o, plan, device, dtype)
     return kind[type(o.entry)](o, plan, device, dtype)
+
+
+def _quantized_at_load(o: PlannedOutput) -> bool:
+    """Whether `--quantize fp8` stores this output as FP8 (quant_config.fp8_candidate)."""
+    weights = [p.info for p in o.parts if p.role == "weight"]
+    return (isinstance(o.entry, LinearModule) and not o.fp8 and bool(weights)
+            and all(w.dtype in _FLOAT_TORCH and fp8_candidate(w.name, w.shape) for w in weights))
+
+
+def _check_quantize(quantize: str | None, spec: ModelSpec, plan: LoadPlan) -> None:
+    if quantize not in (None, "fp8"):
+        raise ValueError(f"unknown quantization {quantize!r}: only 'fp8' is supported")
+    if quantize and spec.quant.method is not None:
+        raise ValueError(f"--quantize fp8 converts bf16 checkpoints; this one is already quantized "
+                         f"({spec.quant.method}): load it without --quantize")
+    if quantize and not any(_quantized_at_load(o) for o in plan.outputs):
+        raise ValueError("--quantize fp8 converts a bf16 checkpoint's decoder projections; this one has none")
 
 
 _FLOAT_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -181,18 +221,20 @@ _FLOAT_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float
 
 def load_weights_slice(path: str | Path, spec: ModelSpec, shard: dict, *, device: str | torch.device = "cpu",
                        dtype: torch.dtype | None = None, on_progress: ProgressFn | None = None,
-                       model_id: str | None = None, strict: bool = True) -> Weights:
+                       model_id: str | None = None, strict: bool = True, quantize: str | None = None) -> Weights:
     """load_weights for one tensor-parallel rank: only the index ranges that `shard` (from
     engine.parallel.slicing.shard_plan) gives this rank are read, through safetensors get_slice,
     so a rank reads about 1/tp of the expert and attention bytes. The result equals
-    slice_weights(load_weights(path, spec, ...), shard). on_progress(done, total, file) counts the
-    bytes actually read; `total` is the whole checkpoint's.
+    slice_weights(load_weights(path, spec, ...), shard), except that with quantize "fp8" each
+    row's scale comes from the part of the row this rank holds. on_progress(done, total, file)
+    counts the bytes actually read; `total` is the whole checkpoint's.
     """
     import dataclasses
 
     from ..parallel.slicing import held_experts, stored_index
 
     plan = check_checkpoint(path, spec, model_id=model_id, strict=strict)
+    _check_quantize(quantize, spec, plan)
     device = torch.device(device)
     outputs = []
     for o in plan.outputs:
@@ -204,7 +246,7 @@ def load_weights_slice(path: str | Path, spec: ModelSpec, shard: dict, *, device
                           for p in o.parts if p.expert in experts)
             o = dataclasses.replace(o, entry=entry, parts=parts)
         outputs.append((o, s))
-    builders = [_builder(o, plan, device, dtype) for o, _ in outputs]
+    builders = [_builder(o, plan, device, dtype, quantize) for o, _ in outputs]
     by_file: dict[Path, list] = {}
     for b, (o, s) in zip(builders, outputs):
         for p in o.parts:

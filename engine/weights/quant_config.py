@@ -56,6 +56,14 @@ class QuantScheme:
         return False
 
 
+def fp8_candidate(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether `--quantize fp8` turns this bf16 checkpoint tensor into FP8 with a scale per row:
+    the decoder's projection matrices, as GLM-4.5V-FP8 quantizes them (its ignore list keeps
+    lm_head, the vision tower and the router gate in bf16; embeddings are not linear layers)."""
+    return (len(shape) == 2 and name.endswith("_proj.weight") and ".layers." in name
+            and "visual" not in name)
+
+
 def parse_quant_config(qc: dict | None) -> QuantScheme:
     if not qc:
         return QuantScheme()

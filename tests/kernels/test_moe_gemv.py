@@ -556,6 +556,9 @@ def test_fp8_weights_refused_before_ada(monkeypatch):
         engine._require_gpus([0], fp8=False)
     monkeypatch.setattr(gpu_facts, "_cuda_arch", lambda index: gpu_facts.GpuArch((8, 9), 101376))
     gpu_facts.require_fp8(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    with pytest.raises(ValueError, match="written for NVIDIA GPUs .* AMD GPUs"):
+        engine._require_gpus([0], fp8=False)
 
 
 @pytest.mark.gpu

@@ -149,3 +149,34 @@ def test_an_impossible_split_is_refused_before_any_rank_reads():
     with pytest.raises(ShardingError, match="FP8 scale blocks"):
         group.load(path, read_spec(path), torch.float32)
     assert group.failure is None and all(p.is_alive() for p in group.procs)
+
+
+def test_quantize_fp8_while_loading_a_split_model():
+    # each rank converts the bf16 slices it reads; row-parallel slices get the scales of their
+    # part of each row, finer than a whole row's: every converted slice is at least as close to
+    # its bf16 values as the same slice of the single-process conversion, and the split model's
+    # logits as far from the bf16 model's as that quantization's error lets them be
+    from localchat.engine.parallel.slicing import slice_weights
+    from localchat.engine.weights.formats import Fp8Weight
+    path = open_fixture("glm-bf16")
+    spec = read_spec(path)
+    plain = load_weights(path, spec, dtype=torch.float32)
+    whole = load_weights(path, spec, dtype=torch.float32, quantize="fp8")
+    for rank in range(2):
+        plan = shard_plan(spec, 2, rank, False)
+        mine, theirs, exact = load_weights_slice(path, spec, plan, quantize="fp8"), slice_weights(whole, plan), \
+            slice_weights(plain, plan)
+        converted = [k for k, v in mine.items() if isinstance(v, Fp8Weight)]
+        assert "model.language_model.layers.1.self_attn.o_proj.weight" in converted
+        for k in converted:
+            w = exact[k].dequantize()
+            assert (mine[k].dequantize() - w).norm() <= (theirs[k].dequantize() - w).norm() * (1 + 1e-6), (k, rank)
+    bf16 = single("glm-bf16")[0]
+    one = build_model(spec, whole)
+    one_logits = _greedy(one, StepRunner(one, _cache(spec, spec.num_kv_heads), CPU, torch.float32).execute, spec,
+                         _prompt(path, spec))[0]
+    group = group_of(2)
+    model = group.load(path, spec, torch.float32, expert_parallel=False, quantize="fp8")
+    runner = group.step_runner(model, _cache(spec, model.kv_heads), CPU, torch.float32)
+    split_logits = _greedy(model, runner.forward, spec, _prompt(path, spec))[0]
+    assert 0 < _close(split_logits, bf16) < 2 * _close(one_logits, bf16)
