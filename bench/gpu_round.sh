@@ -9,7 +9,8 @@
 # tests of the row kernels, then their time per MoE kernel against the default at 8-64 tokens), moe-registers
 # (the MXFP4 TMA row kernels held to fewer registers a thread for more programs an SM: GPU tests, then
 # their time per MoE kernel against the default at 4-48 tokens), generations (the kernel forms the
-# launchers choose for Ampere, Ada and consumer Blackwell, run on this GPU against their references).
+# launchers choose for Ampere, Ada and consumer Blackwell, run on this GPU against their references;
+# the loader on the GPU, --quantize fp8 included).
 # Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
@@ -42,5 +43,5 @@ step moe-pairs && timeout "${PAIRS_S:-300}" python3 bench/moe_breakdown.py --ts 
 REG_BASE=half2:32:512:2:3/T/t0/w/d32:512:2:3
 step moe-registers && timeout "${REG_TESTS_S:-150}" python3 -m pytest -m gpu tests/kernels/test_moe_gemv.py -q -s -p no:cacheprovider -k "row_kernels_gpu or two_pairs" 2>&1 | tee "$OUT/registers_gpu.log" | tail -20
 step moe-registers && timeout "${REG_S:-400}" python3 bench/moe_breakdown.py --ts ${REG_TS:-32,16,12,48,8,4} --only ${REG_ONLY:-mxfp4,mxfp4_20b} --rows "${REG_ROWS:-$REG_BASE/P/r160,$REG_BASE/P/r144,$REG_BASE/P,$REG_BASE/r160,$REG_BASE/R184,$REG_BASE/R184/r160}" 2>&1 | tee "$OUT/registers.log" | grep -E "graph|failed"
-step generations && timeout "${GEN_TESTS_S:-200}" python3 -m pytest -m gpu tests/kernels/test_moe_gemv.py tests/kernels/test_moe_mx_mma.py tests/kernels/test_fp8_linear.py -q -s -p no:cacheprovider -k "other_gpu_generations or float32_decode or scaled_mm_recipes" 2>&1 | tee "$OUT/generations_gpu.log" | tail -20
+step generations && timeout "${GEN_TESTS_S:-200}" python3 -m pytest -m gpu tests/kernels/test_moe_gemv.py tests/kernels/test_moe_mx_mma.py tests/kernels/test_fp8_linear.py tests/test_loader.py tests/runtime/test_engine_gpu.py -q -s -p no:cacheprovider -k "other_gpu_generations or float32_decode or scaled_mm_recipes or cuda_unchanged or quantize_fp8_on_cuda" 2>&1 | tee "$OUT/generations_gpu.log" | tail -20
 exit 0
