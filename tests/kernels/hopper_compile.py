@@ -1,7 +1,7 @@
 """Compiles the decode-path Triton kernels for sm_90 (H100 / H200) with Triton's bundled ptxas,
 without a GPU: run as a script (TRITON_INTERPRET unset) by test_hopper_compile.py. It proves
 each specialization lowers to a cubin, not that it computes the right thing (the interpreter
-tests and `pytest -m gpu` do that). Then the same for Ampere, Ada and consumer Blackwell, each
+tests and `pytest -m gpu` do that). Then the same for Ampere, Ada and Blackwell, each
 with the kernels the launchers send there, in the shared memory a program gets there. Prints
 one line per kernel; exits 1 if any fails. Every constexpr without a default must be given by
 its case. Run under another Triton release (for
@@ -41,8 +41,10 @@ from localchat.kernels.row_gemv import row_gemv_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 # GPUs of other generations, each with the least shared memory a program gets on it: Ampere (8.6:
-# RTX 30, A6000; an A100, 8.0, has more), Ada (RTX 40, L40) and consumer Blackwell (RTX 50)
-OTHER_GPUS = [GpuArch((8, 6), 101376), GpuArch((8, 9), 101376), GpuArch((12, 0), 101376)]
+# RTX 30, A6000; an A100, 8.0, has more), Ada (RTX 40, L40), datacenter Blackwell (B200) and
+# consumer Blackwell (RTX 50)
+OTHER_GPUS = [GpuArch((8, 6), 101376), GpuArch((8, 9), 101376), GpuArch((10, 0), 232448),
+              GpuArch((12, 0), 101376)]
 
 
 def _types(overrides: dict[str, str]):
