@@ -152,6 +152,9 @@ def _model_dir(args) -> Path:
         return ensure_demo()
     entry = REGISTRY.get(args.model)
     if entry is not None and not Path(args.model).is_dir():
+        if args.quantize and entry.format != "bf16":
+            raise UserError(f"--quantize {args.quantize} converts bf16 checkpoints; {args.model} is {entry.format} "
+                            "already: run it without --quantize")
         _check_fits(args, lambda gpus: entry.plan(gpus, max_context=args.max_context, quantize=args.quantize))
     return Path(ensure_local(args.model, offline=args.offline or None))
 

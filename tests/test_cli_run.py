@@ -170,3 +170,6 @@ def test_run_quantizes_a_bf16_checkpoint_to_fp8_while_loading():
     assert result["token_ids"] and result["finish_reason"] in ("stop", "length")
     again = run_cli("run", open_fixture("gpt-oss-mxfp4"), "--prompt", "Hello", "--quantize", "fp8")
     assert again.returncode != 0 and "already quantized" in again.stderr and "Traceback" not in again.stderr
+    # a registry model, before anything is downloaded
+    registry = run_cli("run", "gpt-oss-20b", "--prompt", "Hello", "--quantize", "fp8")
+    assert registry.returncode != 0 and "gpt-oss-20b is mxfp4 already" in registry.stderr
