@@ -318,7 +318,8 @@ def _model_card(info: ModelInfo, created: int) -> dict:
     recommended sampling under "localchat" (values the engine does not know are left out)."""
     extra = {"family": info.family, "context_length": info.context_length,
              "supports_images": info.supports_images, "placement": info.placement,
-             "weights_bytes": info.weights_bytes or None, "kv_cache_bytes": info.kv_cache_bytes,
+             "weights_bytes": info.weights_bytes or None, "weights_format": info.weights_format,
+             "kv_cache_bytes": info.kv_cache_bytes,
              "kv_cache_tokens": info.kv_cache_tokens, "kv_window_tokens": info.kv_window_tokens,
              "sampling": {k: v for k, v in asdict(info.sampling).items() if v is not None} or None}
     return {"id": info.name, "object": "model", "created": created, "owned_by": "localchat",

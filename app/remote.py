@@ -214,7 +214,8 @@ def _model_info(card: dict, base_url: str) -> ModelInfo:
                      reasoning="effort" if gpt_oss else "thinking", placement=placement,
                      weights_bytes=_count(ours.get("weights_bytes")) or 0,
                      kv_cache_bytes=_count(ours.get("kv_cache_bytes")), kv_cache_tokens=_count(ours.get("kv_cache_tokens")),
-                     kv_window_tokens=_count(ours.get("kv_window_tokens")), sampling=_sampling(ours.get("sampling")))
+                     kv_window_tokens=_count(ours.get("kv_window_tokens")), sampling=_sampling(ours.get("sampling")),
+                     weights_format=ours["weights_format"] if isinstance(ours.get("weights_format"), str) else None)
 
 
 def _sampling(card: object) -> SamplingDefaults:

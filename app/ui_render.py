@@ -112,8 +112,11 @@ def model_markdown(info: ModelInfo) -> str:
     lines = [f"**{info.name}** ({info.family})",
              f"context {info.context_length:,} tokens · images {'yes' if info.supports_images else 'no'} · "
              f"reasoning: {reasoning}"]
+    held = f" ({info.weights_format})" if info.weights_format else ""
     if info.weights_bytes:
-        lines.append(f"weights in memory: {_bytes(info.weights_bytes)}")
+        lines.append(f"weights in memory: {_bytes(info.weights_bytes)}{held}")
+    elif info.weights_format:
+        lines.append(f"weights: {info.weights_format}")
     # Sliding-window layers keep only each chat's recent tokens, in a pool of their own.
     window = f" (sliding-window layers: {info.kv_window_tokens:,} recent tokens)" if info.kv_window_tokens else ""
     if info.kv_cache_bytes:

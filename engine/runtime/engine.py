@@ -58,6 +58,20 @@ def _require_gpus(indices: list[int], fp8: bool) -> None:
             raise ValueError(f"{e} (GPU {i}); use a bf16 or MXFP4 model on it") from None
 
 
+def describe_weights(spec: ModelSpec, dtype: torch.dtype, quantize: str | None = None) -> str:
+    """How the loaded weights are held, in words (the model panel and the API's model card)."""
+    compute = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "float32"}.get(dtype, str(dtype))
+    if quantize == "fp8":
+        return f"FP8, a scale per row, made from the bf16 checkpoint while loading; {compute} elsewhere"
+    q = spec.quant
+    if q.method == "fp8":
+        scales = f"{q.block_size[0]}x{q.block_size[1]} block" if q.block_size else q.fp8_strategy
+        return f"FP8, {scales} scales; {compute} elsewhere"
+    if q.method == "mxfp4":
+        return f"MXFP4 experts; {compute} elsewhere"
+    return compute
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -116,7 +130,8 @@ class Engine:
             weights = load_weights(path, spec, device=dev, dtype=dt, on_progress=on_progress, quantize=quantize)
             model, nbytes = build_model(spec, weights, dev), weight_bytes(weights)
         try:
-            self._setup(spec, model, formatter, dev, dt, name or path.name, max_context, nbytes, **serving)
+            self._setup(spec, model, formatter, dev, dt, name or path.name, max_context, nbytes,
+                        weights_format=describe_weights(spec, dt, quantize), **serving)
         except BaseException:
             if self.workers is not None:
                 self.workers.close()
@@ -138,8 +153,9 @@ class Engine:
                block_size: int = 16, num_blocks: int | None = None, max_kv_tokens: int | None = None,
                num_sliding_blocks: int | None = None, max_batch_tokens: int | None = None, max_running: int = 64,
                kv_headroom_bytes: int | None = None, cuda_graphs: bool | None = None,
-               decode_ahead: bool = True) -> None:
+               decode_ahead: bool = True, weights_format: str | None = None) -> None:
         self.spec, self.model, self.formatter = spec, model, formatter
+        self.weights_format = weights_format or describe_weights(spec, dtype)
         self.device, self.dtype, self.name = device, dtype, name
         self.weights_bytes = weights_bytes
         self.max_context = min(max_context or spec.max_position_embeddings, spec.max_position_embeddings)
@@ -200,7 +216,7 @@ class Engine:
             placement=self.workers.placement if self.workers else str(self.device), weights_bytes=self.weights_bytes,
             kv_cache_bytes=kv_bytes, kv_cache_tokens=self.pool.num_blocks * self.block_size,
             kv_window_tokens=self.sliding_pool.num_blocks * self.block_size if self.sliding_pool else None,
-            sampling=self.spec.sampling)
+            sampling=self.spec.sampling, weights_format=self.weights_format)
 
     def submit(self, request: ChatRequest) -> EngineStream:
         """Queues a request; returns its stream at once. Refusals arrive as a Final("error")."""

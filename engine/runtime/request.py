@@ -140,7 +140,9 @@ class ModelInfo:
     all running conversations (None: unknown, e.g. behind a remote backend); kv_window_tokens:
     with sliding-window layers (gpt-oss), how many tokens their separate pool holds (it keeps
     only each conversation's recent tokens; None: no such layers, or unknown). sampling: what the
-    checkpoint recommends (new chats and API requests start from it; unknown fields None)."""
+    checkpoint recommends (new chats and API requests start from it; unknown fields None).
+    weights_format: how the weights are held, in words ("FP8, channel scales", "MXFP4 experts,
+    bf16 elsewhere", ...; None: unknown)."""
 
     name: str
     family: str
@@ -153,6 +155,7 @@ class ModelInfo:
     kv_cache_tokens: int | None = None
     kv_window_tokens: int | None = None
     sampling: SamplingDefaults = SamplingDefaults()
+    weights_format: str | None = None
 
 
 class ChatEngine(Protocol):

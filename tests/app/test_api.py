@@ -228,6 +228,7 @@ def test_client_disconnect_aborts_the_real_engine_request(demo_api):
     info = httpx.get(srv.url + "v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]
     extra = info["localchat"]
     assert extra["kv_cache_tokens"] == 16384 and extra["kv_cache_bytes"] > 0 and extra["weights_bytes"] > 0
+    assert extra["weights_format"] == "float32"  # the demo's bf16 checkpoint, computed in float32 on the CPU
     body = {"model": "demo", "stream": True, "max_tokens": 400, "messages": [{"role": "user", "content": "go on"}]}
     with httpx.stream("POST", srv.url + "v1/chat/completions", json=body,
                       headers={"Authorization": f"Bearer {KEY}"}) as r:

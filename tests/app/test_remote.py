@@ -49,10 +49,12 @@ def test_info_from_a_plain_openai_card_leaves_memory_unknown():
     assert (info.context_length, info.placement, info.weights_bytes, info.kv_cache_bytes) == \
         (4096, "remote (h:8000)", 0, None)
     full = _model_info({"id": "demo", "localchat": {"kv_cache_bytes": 25_165_824, "kv_cache_tokens": 16384,
-                                                   "kv_window_tokens": 2048, "weights_bytes": True}},
+                                                   "kv_window_tokens": 2048, "weights_bytes": True,
+                                                   "weights_format": "MXFP4 experts; bf16 elsewhere"}},
                        "http://h:8000/v1")
     assert (full.kv_cache_bytes, full.kv_cache_tokens, full.weights_bytes) == (25_165_824, 16384, 0)
     assert full.kv_window_tokens == 2048 and info.kv_window_tokens is None
+    assert full.weights_format == "MXFP4 experts; bf16 elsewhere" and info.weights_format is None
     assert info.sampling == SamplingDefaults() and full.sampling == SamplingDefaults()
     tuned = _model_info({"id": "demo", "localchat": {"sampling": {"temperature": 0.8, "top_k": 40, "top_p": "x"}}},
                         "http://h:8000/v1")

@@ -210,8 +210,10 @@ def test_model_panel_shows_the_engines_placement_and_memory():
                                    kv_cache_bytes=25_165_824, kv_cache_tokens=16384, kv_window_tokens=2048))
     assert "holds 16,384 tokens over all chats (sliding-window layers: 2,048 recent tokens)" in oss
     split = model_markdown(ModelInfo("glm-4.5v-fp8", "glm4v_moe", 65536, True, "thinking",
-                                     "cuda:0 layers 0-22; cuda:1 layers 23-45", 108_000_000_000))
-    assert "\n- cuda:0 layers 0-22\n- cuda:1 layers 23-45" in split and "108.0 GB" in split
+                                     "cuda:0 layers 0-22; cuda:1 layers 23-45", 108_000_000_000,
+                                     weights_format="FP8, channel scales; bf16 elsewhere"))
+    assert "\n- cuda:0 layers 0-22\n- cuda:1 layers 23-45" in split
+    assert "weights in memory: 108.0 GB (FP8, channel scales; bf16 elsewhere)" in split
     # Unknown memory (a remote backend) is left out, not shown as 0 or "unknown".
     remote = model_markdown(ModelInfo("glm", "remote", 32768, True, "thinking", "remote (gpu-box:8000)"))
     assert "weights" not in remote and "KV cache" not in remote and "placement: remote (gpu-box:8000)" in remote

@@ -22,4 +22,20 @@ def test_engine_from_a_checkpoint_directory_matches_transformers(name):
     assert ids == expected
     info = engine.info()
     assert info.weights_bytes > 0 and info.context_length > 0
+    assert info.weights_format == {"glm-fp8-block": "FP8, 128x128 block scales; float32 elsewhere",
+                                   "gpt-oss-mxfp4": "MXFP4 experts; float32 elsewhere"}.get(name, "float32")
     engine.shutdown()
+
+
+def test_engine_quantizes_a_bf16_checkpoint_while_loading():
+    plain = Engine(open_fixture("glm-bf16"), device="cpu", dtype="float32", block_size=4, max_batch_tokens=8)
+    fp8 = Engine(open_fixture("glm-bf16"), device="cpu", dtype="float32", block_size=4, max_batch_tokens=8,
+                 quantize="fp8")
+    assert fp8.info().weights_format == ("FP8, a scale per row, made from the bf16 checkpoint while loading; "
+                                         "float32 elsewhere")
+    assert fp8.info().weights_bytes < plain.info().weights_bytes
+    request = chat(("user", "Hello, who are you?"), max_tokens=8)
+    ids, _, _, final = collect(fp8.submit(request))
+    assert ids and final.finish_reason in ("stop", "length"), final.error
+    plain.shutdown()
+    fp8.shutdown()
