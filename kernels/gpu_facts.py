@@ -69,12 +69,21 @@ class GpuArch:
 MEASURED_ARCH = GpuArch((9, 0), 232448)
 
 
+# Shared memory a program may opt into, by compute capability (CUDA programming guide, "Technical
+# Specifications per Compute Capability"), for when the driver cannot be asked
+_SHARED_BY_CAPABILITY = {(8, 0): 166912, (8, 7): 166912, (9, 0): 232448, (10, 0): 232448}
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_arch(index: int) -> GpuArch:
-    import triton
+    capability = tuple(torch.cuda.get_device_capability(index))
+    try:
+        import triton
 
-    shared = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
-    return GpuArch(tuple(torch.cuda.get_device_capability(index)), int(shared))
+        shared = int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - a Triton without this query: the documented figure, else the least
+        shared = _SHARED_BY_CAPABILITY.get(capability, 101376)
+    return GpuArch(capability, shared)
 
 
 def gpu_arch(device: torch.device) -> GpuArch:

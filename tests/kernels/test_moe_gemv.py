@@ -577,3 +577,21 @@ def test_gpt_oss_defaults_of_other_gpu_generations_gpu(arch, monkeypatch):
         err = rel_err(fused_moe(x, experts, w, ids), fused_moe_ref(x, experts, w, ids))
         print(f"\ngpt-oss-120b as sm_{arch[0]}{arch[1]}, T={t}: rel err {err:.1e}")
         assert err < TOL[torch.bfloat16]
+
+
+def test_gpu_arch_falls_back_to_the_documented_shared_memory(monkeypatch):
+    # a Triton that cannot be asked for the opt-in shared memory: the figure for the capability
+    from types import SimpleNamespace
+
+    import triton
+
+    from localchat.kernels import gpu_facts
+
+    class NoQuery:
+        def get_device_properties(self, index):
+            raise RuntimeError("no such query")
+
+    monkeypatch.setattr(type(triton.runtime.driver), "active", property(lambda self: SimpleNamespace(utils=NoQuery())))
+    for capability, shared in (((9, 0), 232448), ((8, 0), 166912), ((8, 9), 101376), ((12, 0), 101376)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        assert gpu_facts._cuda_arch.__wrapped__(0) == gpu_facts.GpuArch(capability, shared)
