@@ -70,8 +70,10 @@ MEASURED_ARCH = GpuArch((9, 0), 232448)
 
 
 # Shared memory a program may opt into, by compute capability (CUDA programming guide, "Technical
-# Specifications per Compute Capability"), for when the driver cannot be asked
+# Specifications per Compute Capability"), for when the driver cannot be asked; 99 KiB on the rest
+# (8.6, 8.9, 12.0), the least of them
 _SHARED_BY_CAPABILITY = {(8, 0): 166912, (8, 7): 166912, (9, 0): 232448, (10, 0): 232448}
+_LEAST_SHARED = 101376
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +84,7 @@ def _cuda_arch(index: int) -> GpuArch:
 
         shared = int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
     except Exception:  # noqa: BLE001 - a Triton without this query: the documented figure, else the least
-        shared = _SHARED_BY_CAPABILITY.get(capability, 101376)
+        shared = _SHARED_BY_CAPABILITY.get(capability, _LEAST_SHARED)
     return GpuArch(capability, shared)
 
 
