@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kerne
 from kernel_checks import random_glm_weights, random_gpt_oss_experts, rel_err  # noqa: E402
 
 from localchat.engine.weights.formats import Mxfp4Weight  # noqa: E402
+from localchat.kernels.gpu_facts import gpu_arch  # noqa: E402
 from localchat.kernels.moe import MoeConfig, MoeExperts, default_config, fused_moe  # noqa: E402
 from localchat.kernels.moe_routing import route_glm, route_gpt_oss  # noqa: E402
 
@@ -168,7 +169,7 @@ def sweep_case(name, fmt, e, k, h, i, ts, rows, with_tile, candidates=True, tile
         routings = random_routings(fmt, t, e, k)
         nbytes = per_expert * sum(ids.unique().numel() for _, ids in routings) / CALLS
         # errors are against the per-chunk-reduction gemv default (the previous default)
-        cur = default_config(t * k, e, fmt_code, True, 2)
+        cur = default_config(t * k, e, fmt_code, True, 2, arch=gpu_arch(x.device))
         prev = MoeConfig(1, {"mxfp4": 8, "fp8_channel": 16, "fp8_block": 32}[fmt],
                          {"mxfp4": 512, "fp8_channel": 256, "fp8_block": 128}[fmt], 4, 1, gemv=True)
         ref = fused_moe(x, experts, *routings[0], config=prev)

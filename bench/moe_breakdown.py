@@ -26,6 +26,7 @@ from bench_moe_sweep import (CALLS, COPY_CEILING_GBS, expert_bytes, graph_time_u
                              random_routings)
 from kernel_checks import rel_err, with_aligned_scale_rows  # noqa: E402
 
+from localchat.kernels.gpu_facts import gpu_arch  # noqa: E402
 from localchat.kernels.moe import MoeConfig, default_config, fused_moe  # noqa: E402
 from localchat.kernels.moe_routing import with_shared_expert  # noqa: E402
 
@@ -94,7 +95,7 @@ def main() -> None:
             if shared:
                 routings = [with_shared_expert(w, ids, e) for w, ids in routings]
             nbytes = per_expert * sum(ids.unique().numel() for _, ids in routings) / CALLS
-            base = default_config(t * (k + shared), e + shared, fmt_code, True, 2, tma=mx)
+            base = default_config(t * (k + shared), e + shared, fmt_code, True, 2, tma=mx, arch=gpu_arch(x.device))
             variants = [("default", base)] + ([("default, unpadded scale rows", None)] if mx else [])
             if mx and args.words:
                 variants.append(("words", MoeConfig(1, 8, 256, 1, 3, gemv=True, mx_words=True)))
