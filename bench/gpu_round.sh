@@ -39,9 +39,11 @@ step router && timeout "${ROUTER_S:-200}" python3 bench/bench_router.py ${ROUTER
 step moe-pairs && timeout "${PAIRS_TESTS_S:-150}" python3 -m pytest -m gpu tests/kernels/test_moe_gemv.py -q -s -p no:cacheprovider -k "row_kernels_gpu or half2_small or two_pairs" 2>&1 | tee "$OUT/pairs_gpu.log" | tail -20
 step moe-pairs && timeout "${PAIRS_S:-300}" python3 bench/moe_breakdown.py --ts ${PAIRS_TS:-32,16,8,64} --only mxfp4,mxfp4_20b --rows "${PAIRS_ROWS:-half2:16:512:1:3/T/t0/w/d32:512:1:3/P,half2:16:512:1:3/T/t0/w/d16:512:1:3/P,half2:8:512:1:3/T/t0/w/d16:512:1:3/P}" 2>&1 | tee "$OUT/pairs.log"
 # down held to 160 / 144 registers (two pairs a program: 180, five programs an SM by registers; six
-# at 160, seven at 144), one-pair gate/up to 184 (207: four programs; five)
+# at 160, seven at 144), and at 160 with a fourth stage (34.3 KB a program: six still fit); one-pair
+# gate/up to 184 (207: four programs; five)
 REG_BASE=half2:32:512:2:3/T/t0/w/d32:512:2:3
+REG_DOWN4=half2:32:512:2:3/T/t0/w/d32:512:2:4
 step moe-registers && timeout "${REG_TESTS_S:-150}" python3 -m pytest -m gpu tests/kernels/test_moe_gemv.py -q -s -p no:cacheprovider -k "row_kernels_gpu or two_pairs" 2>&1 | tee "$OUT/registers_gpu.log" | tail -20
-step moe-registers && timeout "${REG_S:-400}" python3 bench/moe_breakdown.py --ts ${REG_TS:-32,16,12,48,8,4} --only ${REG_ONLY:-mxfp4,mxfp4_20b} --rows "${REG_ROWS:-$REG_BASE/P/r160,$REG_BASE/P/r144,$REG_BASE/P,$REG_BASE/r160,$REG_BASE/R184,$REG_BASE/R184/r160}" 2>&1 | tee "$OUT/registers.log" | grep -E "graph|failed"
+step moe-registers && timeout "${REG_S:-400}" python3 bench/moe_breakdown.py --ts ${REG_TS:-32,16,12,48,8,4} --only ${REG_ONLY:-mxfp4} --rows "${REG_ROWS:-$REG_BASE/P/r160,$REG_BASE/P/r144,$REG_DOWN4/P/r160,$REG_BASE/r160,$REG_BASE/R184,$REG_BASE/R184/r160}" 2>&1 | tee "$OUT/registers.log" | grep -E "graph|failed"
 step generations && timeout "${GEN_TESTS_S:-200}" python3 -m pytest -m gpu tests/kernels/test_moe_gemv.py tests/kernels/test_moe_mx_mma.py tests/kernels/test_fp8_linear.py tests/test_loader.py tests/runtime/test_engine_gpu.py -q -s -p no:cacheprovider -k "other_gpu_generations or float32_decode or scaled_mm_recipes or cuda_unchanged or quantize_fp8_on_cuda" 2>&1 | tee "$OUT/generations_gpu.log" | tail -20
 exit 0
