@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..engine.weights.formats import FP8_MAX, Fp8Weight
-from .gpu_facts import MEASURED_SMS, compiled_on_gpu, require_fp8, sm_count
+from ..engine.weights.formats import FP8_MAX, Fp8Weight, fp8_rows
+from .gpu_facts import MEASURED_SMS, compiled_on_gpu, sm_count
 from .moe_gemm import FMT_FP8_BLK, FMT_FP8_ROW, _row_scale, _weight_dot
 from .row_gemv import GEMV_MAX_M, row_gemv_kernel
 
@@ -97,9 +97,9 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quant_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quant_rows in torch."""
-    scale = x.abs().amax(-1, keepdim=True).to(torch.float32).clamp_min(1e-12) / FP8_MAX
-    return (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    """quant_rows in torch: the per-row FP8 encoding the loader gives weights (formats.fp8_rows)."""
+    q = fp8_rows(x)
+    return q.weight, q.scale
 
 
 def quant_groups(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,7 +327,6 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     on_gpu = compiled_on_gpu(x.device)
-    require_fp8(x.device)
     k, n = w.weight.shape[1], w.weight.shape[0]
     if on_gpu and w.block is None and x2.shape[0] >= SCALED_MM_MIN_M and k % 16 == 0 and n % 16 == 0 \
             and x.dtype != torch.float32 and scaled_mm_works(_device_index(x2), block=False):

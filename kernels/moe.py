@@ -28,7 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight, rows_aligned
 from .arrivals import arrival_counts
-from .gpu_facts import compiled_on_gpu, gpu_arch, require_fp8
+from .gpu_facts import compiled_on_gpu, gpu_arch
 from .moe_align import moe_align
 from .moe_config import MoeConfig, MoeExperts, default_config, gpt_oss_experts, split_gate_up  # noqa: F401
 from .moe_gemm import (ACT_SILU_GLU, ACT_SWIGLU_OAI, FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4,
@@ -112,8 +112,6 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         return out
     on_gpu = compiled_on_gpu(x.device)
     arch = gpu_arch(x.device)
-    if FMT_FP8_ROW in (fmt, fmt_d) or FMT_FP8_BLK in (fmt, fmt_d):
-        require_fp8(x.device)
     # the MXFP4 tensor-core kernels need bf16 activations and MXFP4 down weights as well
     mma_ok = x.dtype == torch.bfloat16 and fmt_d == FMT_MXFP4
     # the TMA loads read MXFP4 stacks whose rows all start on 16-byte boundaries (scale rows
@@ -152,7 +150,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     has_bias, bg, bu, bias_strides = _gate_up_biases(experts, x)
     if cfg.mx_mma:
         return _mma_experts(x, experts, topk_weights, topk_ids, cfg, not on_gpu, (wg, sg, s_strides), (wu, su),
-                            (wd, sd, sd_strides), (bg, bu, bias_strides), out)
+                            (wd, sd, sd_strides), (bg, bu, bias_strides), out, asm_decode=arch.hopper)
     if cfg.mx_half2:
         return _half2_experts(x, experts, topk_weights, topk_ids, cfg, not on_gpu, (wg, sg, s_strides), (wu, su),
                               (wd, sd, sd_strides), (bg, bu, bias_strides), out, x_half2)
@@ -363,10 +361,12 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
 
 
 def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 cfg: MoeConfig, interpret: bool, gate, up, down, biases, out: torch.Tensor) -> torch.Tensor:
+                 cfg: MoeConfig, interpret: bool, gate, up, down, biases, out: torch.Tensor,
+                 asm_decode: bool = True) -> torch.Tensor:
     """The experts on kernels/moe_mx_mma.py: activations to quarter-major order, pairs grouped by
     expert (moe_align), gate/up with the activation, down with the routing weight, then the sum of
-    each token's rows into out [T, H]. Arguments as for _half2_experts. -> out."""
+    each token's rows into out [T, H]. Arguments as for _half2_experts; asm_decode: the packed
+    bf16 decode (Hopper and newer), else the float32 one. -> out."""
     t, h = x.shape
     k = topk_ids.shape[1]
     e, i = experts.num_experts, experts.intermediate_size
@@ -384,7 +384,6 @@ def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tenso
     sorted_ids, block_expert = moe_align(topk_ids, e, cfg.block_m)
     b_max = block_expert.numel()
     gate_up_regs, down_regs = _register_caps(cfg)
-    asm_decode = gpu_arch(x.device).hopper  # packed bf16 multiplies; a float32 decode before Hopper
     # element k = 32 g + 8 j + 4 h + q of a row goes to q * H / 4 + 8 g + 2 j + h (quarter_order)
     xq = x.reshape(t, h // 32, 4, 2, 4).permute(0, 4, 1, 2, 3).reshape(t, h)
     act = torch.empty((num_pairs, i), dtype=x.dtype, device=x.device)

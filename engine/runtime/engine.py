@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from ...kernels.gpu_facts import require_fp8, require_supported
 from ..spec import ModelSpec
 from .block_pool import BlockPool
 from .decode_graphs import DecodeGraphs
 from .kv_budget import plan_kv_blocks
 from .kv_cache import build_kv_cache
+from .loading import describe_weights, load_model, resolve_device, resolve_dtype
 from .prefix_cache import image_spans
 from .prompt import ChatFormatter
 from .request import ChatRequest, Final, ModelInfo, Timings
@@ -34,48 +34,6 @@ from .step_runner import StepRunner
 from .textstream import TextAssembler
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for but no CUDA GPU is visible to torch; "
-                           "use --device cpu (slow, for small checkpoints) or check the NVIDIA driver")
-    return torch.device(device)
-
-
-def _require_gpus(indices: list[int], fp8: bool) -> None:
-    """Refuses, before any weight is read, GPUs the kernels cannot run on, or (fp8) FP8 weights
-    on a GPU without FP8."""
-    for i in indices:
-        device = torch.device("cuda", i)
-        require_supported(device)
-        try:
-            if fp8:
-                require_fp8(device)
-        except ValueError as e:
-            raise ValueError(f"{e} (GPU {i}); use a bf16 or MXFP4 model on it") from None
-
-
-def describe_weights(spec: ModelSpec, dtype: torch.dtype, quantize: str | None = None) -> str:
-    """How the loaded weights are held, in words (the model panel and the API's model card)."""
-    compute = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "float32"}.get(dtype, str(dtype))
-    if quantize == "fp8":
-        return f"FP8, a scale per row, made from the bf16 checkpoint while loading; {compute} elsewhere"
-    q = spec.quant
-    if q.method == "fp8":
-        scales = f"{q.block_size[0]}x{q.block_size[1]} block" if q.block_size else q.fp8_strategy
-        return f"FP8, {scales} scales; {compute} elsewhere"
-    if q.method == "mxfp4":
-        return f"MXFP4 experts; {compute} elsewhere"
-    return compute
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
 
 
 class Engine:
@@ -104,34 +62,16 @@ class Engine:
                  max_context: int | None = None, on_progress=None, name: str | None = None,
                  tp: int = 1, ep: bool = False, gpus: list[int] | None = None, quantize: str | None = None,
                  **serving):
-        from ..models import build_model
-        from ..weights.loader import load_weights, weight_bytes
-
         path = Path(model_dir)
-        dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
         spec = ModelSpec.from_dir(path)
         formatter = ChatFormatter(path, spec)
         self.path = path
-        if ep and tp < 2:
-            raise ValueError("expert parallelism splits the experts over the tensor-parallel ranks: it needs tp >= 2")
-        if dev.type == "cuda":
-            _require_gpus(list(gpus)[:tp] if gpus else list(range(tp)) if tp > 1 else [dev.index or 0],
-                          fp8=spec.quant.method == "fp8" or quantize == "fp8")
-        if tp > 1:
-            from ..parallel.group import start_parallel
-
-            self.workers = start_parallel(path, spec, dev, dt, tp=tp, ep=ep, gpus=gpus, on_progress=on_progress,
-                                          quantize=quantize)
-            model, dev, nbytes = self.workers.model, self.workers.device, self.workers.weights_bytes
-        else:
-            if gpus:
-                dev = torch.device("cuda", gpus[0]) if dev.type == "cuda" else dev
-            weights = load_weights(path, spec, device=dev, dtype=dt, on_progress=on_progress, quantize=quantize)
-            model, nbytes = build_model(spec, weights, dev), weight_bytes(weights)
+        loaded = load_model(path, spec, device=device, dtype=dtype, on_progress=on_progress, tp=tp, ep=ep, gpus=gpus,
+                            quantize=quantize)
+        self.workers = loaded.workers
         try:
-            self._setup(spec, model, formatter, dev, dt, name or path.name, max_context, nbytes,
-                        weights_format=describe_weights(spec, dt, quantize), **serving)
+            self._setup(spec, loaded.model, formatter, loaded.device, loaded.dtype, name or path.name, max_context,
+                        loaded.weights_bytes, weights_format=loaded.weights_format, **serving)
         except BaseException:
             if self.workers is not None:
                 self.workers.close()

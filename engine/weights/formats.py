@@ -66,9 +66,10 @@ class Fp8Weight:
 def fp8_rows(w: torch.Tensor) -> Fp8Weight:
     """w [..., N, K] (bf16/fp16/fp32) -> the FP8 channel layout of the FP8 checkpoints: e4m3 codes
     and a float32 scale per row, each row's largest magnitude at e4m3's largest finite value (the
-    codes rounded to nearest). An all-zero row gets the smallest normal scale and zero codes."""
+    codes rounded to nearest). An all-zero row gets a tiny finite scale and zero codes; the FP8
+    kernels encode activations per token the same way (kernels/fp8_linear.py quant_rows)."""
     wf = w.to(torch.float32)
-    scale = (wf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    scale = wf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
     return Fp8Weight((wf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale)
 
 

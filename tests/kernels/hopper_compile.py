@@ -82,21 +82,21 @@ def compile_kernel(fn, types, constexprs: dict, num_warps: int = 4, num_stages: 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def disassemble(kernel) -> str:
-    """The SASS of a compiled kernel (Triton's bundled cuobjdump)."""
+def _cuobjdump(kernel, option: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        return subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([CUOBJDUMP, option, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def disassemble(kernel) -> str:
+    """The SASS of a compiled kernel (Triton's bundled cuobjdump)."""
+    return _cuobjdump(kernel, "-sass")
 
 
 def registers(kernel) -> int:
     """Registers a thread of a compiled kernel holds (cuobjdump's resource usage)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1))
+    return int(re.search(r"REG:(\d+)", _cuobjdump(kernel, "-res-usage")).group(1))
 
 
 def sass(fn, types, constexprs: dict, num_warps: int, num_stages: int) -> str:
@@ -359,10 +359,13 @@ def _takes(arch: GpuArch, fn, types) -> bool:
     return arch.hopper or not any(t.startswith("tensordesc") for t in arg_types)
 
 
-def _check(name: str, compile_case, arch: GpuArch, pipelined: bool, descriptors: bool) -> bool:
-    """Compiles one case, checks it and prints a line; -> whether it passed."""
+def _check(name: str, compile_case, arch: GpuArch, pipelined: bool, descriptors: bool, more=None) -> bool:
+    """Compiles one case, checks it (and more(kernel), which asserts) and prints a line; -> whether
+    it passed."""
     try:
         kernel = compile_case()
+        if more is not None:
+            more(kernel)
         # f16 -> bf16 in one step compiles to F2F, a slow conversion instruction: at one per
         # weight value it bound the FP8 tensor-core tiles (bench/NOTES-moe.md)
         assert "cvt.bf16.f16" not in kernel.asm["ptx"], "direct f16 -> bf16 conversion (F2F)"
@@ -416,17 +419,16 @@ def check_target(arch: GpuArch, label: str = "") -> int:
 def main() -> int:
     failed = check_target(MEASURED_ARCH)
     for (name, fn, types, constexprs, warps, stages), cap in REGISTER_CAPS:
-        name = f"{name}, at most {cap} registers"
-        try:
-            kernel = compile_kernel(fn, types, constexprs, warps, stages, divisible=True, max_registers=cap)
+        def within_cap(kernel, cap=cap):
             held = registers(kernel)
             assert held <= cap, f"{held} registers"
             spills = [ins for ins in main_loop(disassemble(kernel)) if opcode(ins) in ("LDL", "STL")]
             assert not spills, f"{len(spills)} local-memory loads / stores in the K loop"
-            print(f"ok     {name}")
-        except Exception as e:
-            failed += 1
-            print(f"FAILED {name}: {type(e).__name__}: {str(e)[:400]}")
+
+        failed += not _check(f"{name}, at most {cap} registers",
+                             lambda: compile_kernel(fn, types, constexprs, warps, stages, divisible=True,
+                                                    max_registers=cap),
+                             MEASURED_ARCH, True, True, more=within_cap)
     for arch in OTHER_GPUS:
         major, minor = arch.capability
         failed += check_target(arch, f"sm_{major}{minor}: ")

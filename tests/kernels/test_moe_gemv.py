@@ -539,9 +539,9 @@ def test_defaults_keep_to_what_each_gpu_generation_has():
 
 
 def test_fp8_weights_refused_before_ada(monkeypatch):
-    # on a GPU without e4m3 the FP8 launchers say so instead of failing to compile; before Ampere
+    # on a GPU without e4m3, loading FP8 weights says so instead of the kernels failing to compile; before Ampere
     # the engine refuses every model
-    from localchat.engine.runtime import engine
+    from localchat.engine.runtime import loading
     from localchat.kernels import gpu_facts
     monkeypatch.setattr(gpu_facts, "compiled_on_gpu", lambda device: True)
     monkeypatch.setattr(gpu_facts, "_cuda_arch", lambda index: gpu_facts.GpuArch((8, 0), 166912))
@@ -549,16 +549,16 @@ def test_fp8_weights_refused_before_ada(monkeypatch):
     with pytest.raises(ValueError, match=r"compute capability 8.9 or newer .* NVIDIA A100-SXM4-80GB is 8.0"):
         gpu_facts.require_fp8(torch.device("cuda", 0))
     with pytest.raises(ValueError, match=r"\(GPU 1\); use a bf16 or MXFP4 model"):
-        engine._require_gpus([1], fp8=True)
-    engine._require_gpus([1], fp8=False)  # bf16 and MXFP4 run from Ampere
+        loading.require_gpus([1], fp8=True)
+    loading.require_gpus([1], fp8=False)  # bf16 and MXFP4 run from Ampere
     monkeypatch.setattr(gpu_facts, "_cuda_arch", lambda index: gpu_facts.GpuArch((7, 0), 98304))
     with pytest.raises(ValueError, match=r"compute capability 8.0 or newer .* is 7.0"):
-        engine._require_gpus([0], fp8=False)
+        loading.require_gpus([0], fp8=False)
     monkeypatch.setattr(gpu_facts, "_cuda_arch", lambda index: gpu_facts.GpuArch((8, 9), 101376))
     gpu_facts.require_fp8(torch.device("cuda", 0))
     monkeypatch.setattr(torch.version, "hip", "6.4")
     with pytest.raises(ValueError, match="written for NVIDIA GPUs .* AMD GPUs"):
-        engine._require_gpus([0], fp8=False)
+        loading.require_gpus([0], fp8=False)
 
 
 @pytest.mark.gpu
