@@ -141,22 +141,36 @@ def _request(args, model_dir: Path):
 
 
 def _model_dir(args) -> Path:
-    """A local checkpoint directory for MODEL, downloading it on first use ("demo": built on first use).
-    A registry model is first planned against the GPUs from its known sizes, so one that cannot
-    run on them is refused before its download."""
-    from ..engine.hub import ensure_local
+    """A local checkpoint directory for MODEL, downloading it on first use ("demo": built on first use),
+    after _refuse_unrunnable."""
+    _refuse_unrunnable(args)
+    return _local_checkpoint(args)
+
+
+def _refuse_unrunnable(args) -> None:
+    """A registry model is planned against the GPUs from its known sizes, so one that cannot run on
+    them is refused before its download."""
     from ..engine.registry import REGISTRY
+    from .demo import DEMO_NAME
+
+    entry = REGISTRY.get(args.model)
+    if args.model == DEMO_NAME or entry is None or Path(args.model).is_dir():
+        return
+    if args.quantize and entry.format != "bf16":
+        raise UserError(f"--quantize {args.quantize} converts bf16 checkpoints; {args.model} is {entry.format} "
+                        "already: run it without --quantize")
+    _check_fits(args, lambda gpus: entry.plan(gpus, max_context=args.max_context, quantize=args.quantize))
+
+
+def _local_checkpoint(args, on_download=None) -> Path:
+    """MODEL's checkpoint directory, downloaded on first use (on_download: engine.hub's progress
+    callback); "demo" is built on first use (a directory of that name is still reachable as ./demo)."""
+    from ..engine.hub import ensure_local
     from .demo import DEMO_NAME, ensure_demo
 
-    if args.model == DEMO_NAME:  # a directory of that name is still reachable as ./demo
+    if args.model == DEMO_NAME:
         return ensure_demo()
-    entry = REGISTRY.get(args.model)
-    if entry is not None and not Path(args.model).is_dir():
-        if args.quantize and entry.format != "bf16":
-            raise UserError(f"--quantize {args.quantize} converts bf16 checkpoints; {args.model} is {entry.format} "
-                            "already: run it without --quantize")
-        _check_fits(args, lambda gpus: entry.plan(gpus, max_context=args.max_context, quantize=args.quantize))
-    return Path(ensure_local(args.model, offline=args.offline or None))
+    return Path(ensure_local(args.model, offline=args.offline or None, on_progress=on_download))
 
 
 def _check_fits(args, plan_for) -> None:
@@ -204,17 +218,63 @@ def _print_progress(done: int, total: int, file: str) -> None:
     print(f"\rloading {Path(file).name}: {done / max(total, 1):6.1%}", end="", file=sys.stderr, flush=True)
 
 
-def _load_engine(args, model_dir: Path):
+def _load_engine(args, model_dir: Path, on_load=None):
+    """The Engine for model_dir; on_load(done_bytes, total_bytes, file) follows the loading, beside
+    the terminal's progress line."""
     from ..engine.runtime.engine import Engine
 
     _check_checkpoint_fits(args, model_dir)
-    progress = _print_progress if sys.stderr.isatty() and not getattr(args, "json", False) else None
+    terminal = sys.stderr.isatty() and not getattr(args, "json", False)
+    callbacks = [f for f in (_print_progress if terminal else None, on_load) if f is not None]
+
+    def progress(done: int, total: int, file: str) -> None:
+        for f in callbacks:
+            f(done, total, file)
+
     engine = Engine(model_dir, device=args.device, dtype=args.dtype, max_context=args.max_context,
-                    on_progress=progress, name=args.model, tp=_tp(args), ep=args.ep, gpus=args.gpus,
-                    quantize=args.quantize)
-    if progress:
+                    on_progress=progress if callbacks else None, name=args.model, tp=_tp(args), ep=args.ep,
+                    gpus=args.gpus, quantize=args.quantize)
+    if terminal:
         print(file=sys.stderr)
     return engine
+
+
+def _start_behind_page(args, sock, url: str):
+    """Downloads, loads and warms up the model while the startup page (app/startup.py) shows how far
+    it got at `url`, on `sock`; returns the ready Engine. A failure is shown on the page too before
+    it is raised, so a user who started localchat from a launcher sees why in the browser."""
+    import webbrowser
+
+    from ..engine.hub_errors import HubError
+    from .startup import StartupServer, StartupStatus
+    from .ui import is_loopback
+
+    status = StartupStatus(args.model, show_errors=is_loopback(args.host))
+    page = StartupServer(status, sock).start()
+    print(f"localchat: page {url} (it shows the progress until {args.model} is ready)", file=sys.stderr)
+    if not args.no_browser:
+        webbrowser.open(url)
+    try:
+        model_dir = _local_checkpoint(args, on_download=status.download)
+        status.load(0, 1, "")
+        engine = _load_engine(args, model_dir, on_load=status.load)
+        if engine.device.type == "cuda":
+            status.warmup()
+            print("localchat: compiling kernels and capturing decode graphs ...", end="", file=sys.stderr, flush=True)
+            print(f" {engine.warmup():.1f} s", file=sys.stderr)
+        status.ready()
+        return engine
+    except KeyboardInterrupt:
+        status.failed("stopped from its terminal (Ctrl+C)")
+        raise
+    except Exception as e:
+        # the errors main() prints as one line read the same on the page
+        known = isinstance(e, (UserError, HubError, FileNotFoundError, ValueError, RuntimeError))
+        status.failed(str(e) if known else f"{type(e).__name__}: {e}")
+        status.wait_for_watchers()
+        raise
+    finally:
+        page.stop()
 
 
 def _run_model(args) -> None:
@@ -320,7 +380,7 @@ def _default_model() -> str:
 
 def cmd_serve(args) -> int:
     from .demo import DEMO_NAME, DEMO_NOTE
-    from .ui import bind_listener, is_loopback, serve
+    from .ui import bind_listener, is_loopback, page_url, serve
 
     if not is_loopback(args.host) and not (args.auth and args.api_key):
         # Checked before a model loads, so the refusal comes at once.
@@ -337,15 +397,13 @@ def cmd_serve(args) -> int:
         if args.model is None:
             args.model = _default_model()
             print(f"localchat: using {args.model} (pass --model to choose)", file=sys.stderr)
-        model_dir = _model_dir(args)
-        engine = _load_engine(args, model_dir)
-        if engine.device.type == "cuda":
-            print("localchat: compiling kernels and capturing decode graphs ...", end="", file=sys.stderr, flush=True)
-            print(f" {engine.warmup():.1f} s", file=sys.stderr)
+        _refuse_unrunnable(args)  # before the page opens: a refusal needs no browser
+        engine = _start_behind_page(args, sock, page_url(args.host, sock))
     auth = tuple(args.auth.split(":", 1)) if args.auth else None
     note = DEMO_NOTE if args.model == DEMO_NAME and not args.backend else None
-    serve(engine, host=args.host, port=args.port, auth=auth, api_key=args.api_key, open_browser=not args.no_browser,
-          demo_note=note, sock=sock)
+    # the startup page already opened the browser where a model loaded here
+    serve(engine, host=args.host, port=args.port, auth=auth, api_key=args.api_key,
+          open_browser=not args.no_browser and bool(args.backend), demo_note=note, sock=sock)
     return 0
 
 

@@ -202,6 +202,13 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def page_url(host: str, sock: socket.socket) -> str:
+    """The page's address as a browser on this machine reaches it (port: the one bound, which the
+    system chose for --port 0)."""
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{sock.getsockname()[1]}/"
+
+
 def serve(engine: ChatEngine, *, history: History | None = None, host: str = "127.0.0.1", port: int = 7860,
           auth=None, api_key: str | None = None, open_browser: bool = True, demo_note: str | None = None,
           sock: socket.socket | None = None) -> None:
@@ -215,7 +222,7 @@ def serve(engine: ChatEngine, *, history: History | None = None, host: str = "12
     app = create_app(engine, history or History(), auth=auth, api_key=api_key, demo_note=demo_note)
     sock = sock or bind_listener(host, port)
     port = sock.getsockname()[1]  # the one the system chose for --port 0
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/"
+    url = page_url(host, sock)
     print(f"localchat: page {url}  API {url}v1  (Ctrl+C stops)")
     if open_browser:
         threading.Timer(1.5, webbrowser.open, args=(url,)).start()

@@ -19,7 +19,7 @@ from fake_engine import FakeEngine
 from live_server import LiveServer
 from localchat.app.demo import DEMO_NOTE
 from localchat.app.history import STOPPED
-from localchat.app.ui import ASSETS, create_app
+from localchat.app.ui import ASSETS, bind_listener, create_app, page_url
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 try:
@@ -191,3 +191,61 @@ def test_browser_markdown_and_new_chat_shortcut(history, tmp_path):
             assert not page.evaluate("document.body.classList.contains('dark')")
         finally:
             browser.close()
+
+
+def test_browser_startup_page_follows_the_progress_then_becomes_the_chat(history):
+    import threading
+
+    import uvicorn
+
+    from localchat.app.startup import StartupServer, StartupStatus
+    from localchat.engine.hub import DownloadProgress
+
+    sock = bind_listener("127.0.0.1", 0)
+    url = page_url("127.0.0.1", sock)
+    status = StartupStatus("fake-glm")
+    startup = StartupServer(status, sock).start()
+    server = None
+    with sync_playwright() as p:
+        browser = _launch(p)
+        try:
+            page = browser.new_page()
+            page.goto(url)
+            status.download(DownloadProgress(file="model-00001-of-00002.safetensors", done=3, total=4,
+                                             overall_done=3 << 30, overall_total=4 << 30, files_done=0, files_total=2))
+            page.get_by_text("Downloading the model").wait_for(timeout=10_000)
+            page.get_by_text("3.0 of 4.0 GiB").wait_for(timeout=10_000)
+            assert page.evaluate("document.getElementById('fill').style.width") == "75%"
+            status.load(1, 2, "model-00002-of-00002.safetensors")
+            page.get_by_text("Loading the weights").wait_for(timeout=10_000)
+
+            # ready: the startup server goes, the chat page's server takes the socket, the page reloads
+            status.ready()
+            startup.stop()
+            server = uvicorn.Server(uvicorn.Config(create_app(FakeEngine(), history), log_level="warning",
+                                                   timeout_graceful_shutdown=0.2))
+            threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+            page.wait_for_selector("#lc-input textarea", timeout=30_000)
+            assert page.url == url
+
+            # a failed start: the reason on the page
+            failed = StartupStatus("gpt-oss-120b")
+            server.should_exit = True
+            time.sleep(0.5)
+            sock2 = bind_listener("127.0.0.1", 0)
+            late = StartupServer(failed, sock2).start()
+            try:
+                page.goto(page_url("127.0.0.1", sock2))
+                page.get_by_text("Starting").wait_for(timeout=10_000)
+                failed.failed("gpt-oss-120b does not fit GPU 0: pass --max-context 8192")
+                page.get_by_text("localchat could not start").wait_for(timeout=10_000)
+                assert "--max-context 8192" in page.locator("#error").inner_text()
+            finally:
+                late.stop()
+                sock2.close()
+        finally:
+            browser.close()
+            startup.stop()
+            if server is not None:
+                server.should_exit = True
+            sock.close()
