@@ -82,7 +82,11 @@ class ChatController:
                 msgs.append(Message("assistant", (TextPart(m.text),), m.reasoning or None))
         sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                   max_tokens=s.max_tokens, seed=s.seed)
-        return ChatRequest(tuple(msgs), sampling, thinking=s.thinking, reasoning_effort=s.reasoning_effort)
+        # A chat longer than the context goes on without its oldest turns, cut where the last
+        # answer's cut was while the rest fits (the prefix cache then keeps serving it).
+        earlier = [m.stats["dropped_messages"] for m in conv.messages if "dropped_messages" in m.stats]
+        return ChatRequest(tuple(msgs), sampling, thinking=s.thinking, reasoning_effort=s.reasoning_effort,
+                           overflow="drop_oldest", dropped_hint=earlier[-1] if earlier else 0)
 
     # ---- send / edit / retry -------------------------------------------------------------
 

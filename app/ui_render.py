@@ -75,7 +75,7 @@ def answer_stats(final: Final | None, context_length: int, thinking_s: float | N
             "completion_tokens": final.completion_tokens, "context_length": context_length,
             "image_encode_s": t.image_encode, "prefill_s": t.prefill, "first_token_s": t.first_token,
             "decode_s": t.decode, "queued_s": getattr(t, "queued", 0.0), "tokens_per_s": t.decode_tokens_per_s, "thinking_s": thinking_s,
-            "error": final.error}
+            "error": final.error, "dropped_messages": getattr(final, "dropped_messages", 0)}
 
 
 def status_line(m: StoredMessage) -> tuple[str, str]:
@@ -97,6 +97,12 @@ def status_line(m: StoredMessage) -> tuple[str, str]:
                f"{s['prompt_tokens']:,} prompt tokens, {s['completion_tokens']:,} answer tokens, "
                f"decode {s['decode_s']:.2f} s, queued {s.get('queued_s', 0.0):.2f} s, "
                f"finish: {s['finish_reason']}")
+    dropped = s.get("dropped_messages", 0)
+    if dropped:
+        summary += f" · {dropped} oldest message{'s' if dropped > 1 else ''} left out"
+        details += (f"  \nThe chat no longer fits the context: the model answered without its {dropped} oldest "
+                    "message" + ("s" if dropped > 1 else "") + " (the system prompt stays). A new chat starts "
+                    "with the whole context free.")
     if s.get("error"):
         details += f"  \nerror: {s['error']}"
     return summary, details

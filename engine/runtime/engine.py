@@ -19,6 +19,7 @@ import torch
 
 from ..spec import ModelSpec
 from .block_pool import BlockPool
+from .context_fit import fit_to_context
 from .decode_graphs import DecodeGraphs
 from .kv_budget import plan_kv_blocks
 from .kv_cache import build_kv_cache
@@ -234,9 +235,10 @@ class Engine:
         sp = request.sampling
         if sp.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1 (got {sp.max_tokens})")
+        limit = self.context_limit
         with self._format_lock:
-            prompt = self.formatter.build(request)
-        n, limit = len(prompt.input_ids), self.context_limit
+            prompt, dropped = fit_to_context(request, self.formatter.build, limit)
+        n = len(prompt.input_ids)
         if n >= limit:
             if limit < self.max_context:
                 why = (f"the KV cache holds {limit} tokens ({self.pool.num_blocks} blocks of {self.block_size}); "
@@ -257,7 +259,7 @@ class Engine:
             text = TextAssembler(self.formatter.tokenizer, self.spec.family, request.thinking, sp.stop)
         sampler = Sampler(sp, self.device, prompt_len=len(prompt.input_ids))
         return Sequence(next(self._ids), stream, prompt, sampler, text, limit=limit, eos_ids=self.spec.eos_token_ids,
-                        block_size=self.block_size, spans=spans, mrope=mrope)
+                        block_size=self.block_size, spans=spans, mrope=mrope, dropped_messages=dropped)
 
     # ---- engine thread ----------------------------------------------------------------------
 

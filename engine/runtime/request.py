@@ -74,12 +74,19 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """thinking: GLM thinking on/off. reasoning_effort: gpt-oss "low" | "medium" | "high"."""
+    """thinking: GLM thinking on/off. reasoning_effort: gpt-oss "low" | "medium" | "high".
+    overflow: a conversation that does not fit the context (with room for the answer) is refused
+    ("error", as OpenAI-compatible servers do) or has its oldest turns left out ("drop_oldest",
+    engine/runtime/context_fit.py); dropped_hint: with "drop_oldest", how many messages after the
+    system prompt an earlier answer of the same conversation left out (Final.dropped_messages),
+    so the cut stays put and the prefix cache keeps serving the rest."""
 
     messages: tuple[Message, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     thinking: bool = True
     reasoning_effort: str = "medium"
+    overflow: Literal["error", "drop_oldest"] = "error"
+    dropped_hint: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,9 @@ class Timings:
 
 @dataclass(frozen=True)
 class Final:
-    """The last item of every stream. finish_reason: "stop" | "length" | "abort" | "error"."""
+    """The last item of every stream. finish_reason: "stop" | "length" | "abort" | "error".
+    dropped_messages: how many messages after the system prompt were left out to fit the context
+    (ChatRequest.overflow "drop_oldest"; 0 otherwise)."""
 
     finish_reason: str
     prompt_tokens: int
@@ -119,6 +128,7 @@ class Final:
     timings: Timings
     prompt_token_ids: tuple[int, ...] = ()
     error: str | None = None
+    dropped_messages: int = 0
 
 
 StreamItem = Union[Delta, Final]

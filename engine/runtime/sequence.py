@@ -82,10 +82,12 @@ class SeqClock:
 class Sequence:
     def __init__(self, seq_id: int, stream: EngineStream, prompt: Prompt, sampler: Sampler | None,
                  text: TextAssembler, *, limit: int, eos_ids: tuple[int, ...], block_size: int,
-                 spans: list[ImageSpan], mrope: tuple[torch.Tensor, int] | None):
+                 spans: list[ImageSpan], mrope: tuple[torch.Tensor, int] | None, dropped_messages: int = 0):
         """limit: the most tokens (prompt + generated) this sequence may reach.
-        mrope: GLM's ([3, prompt_len] positions, delta), None for 1-D positions = slot."""
+        mrope: GLM's ([3, prompt_len] positions, delta), None for 1-D positions = slot.
+        dropped_messages: the request's messages left out of the prompt to fit the context."""
         self.seq_id = seq_id
+        self.dropped_messages = dropped_messages
         self.stream = stream
         self.prompt = prompt
         self.tokens = list(prompt.input_ids)
@@ -205,4 +207,5 @@ class Sequence:
                 self.stream.items.put(Delta(answer, reasoning))
         self.stream.items.put(Final(reason, self.prompt_len, len(self.generated),
                                     self.clock.timings(len(self.generated)),
-                                    prompt_token_ids=tuple(self.prompt.input_ids), error=error))
+                                    prompt_token_ids=tuple(self.prompt.input_ids), error=error,
+                                    dropped_messages=self.dropped_messages))

@@ -76,3 +76,42 @@ def test_a_prompt_too_long_for_the_context_gets_a_message_with_the_limit(demo_ch
         engine.shutdown()
     shown = [m["content"] for m in chat if m["role"] == "assistant" and not m.get("metadata")]
     assert any("context holds 48" in c and "Error:" in c for c in shown), shown
+
+
+def test_a_chat_past_the_context_goes_on_and_says_what_was_left_out(demo_checkpoint, history):
+    from localchat.app.ui import build_ui
+    from localchat.app.ui_render import status_line
+    from localchat.engine.runtime.engine import Engine
+
+    engine = Engine(demo_checkpoint, device="cpu", name="demo", max_context=256)
+    sent = []
+    submit = engine.submit
+    engine.submit = lambda request: sent.append(request) or submit(request)
+    try:
+        ctl = build_ui(engine, history).localchat_controller
+        cid = None
+        for turn in range(12):
+            ctl.send({"text": f"question {turn}: " + "tell me more about the sea and its boats " * 3, "files": []},
+                     cid, "Answer briefly.", 0.0, 1.0, 0, 16, 1, False, "medium")
+            cid = history.list()[0][0]
+            for _ in ctl.generate(True, cid):
+                pass
+            answer = history.get(cid).messages[-1]
+            assert answer.status != "error", answer.stats.get("error")
+            if answer.stats.get("dropped_messages"):
+                break
+        else:
+            pytest.fail("the chat never outgrew the 256-token context")
+        assert sent[-1].overflow == "drop_oldest"
+        dropped = answer.stats["dropped_messages"]
+        summary, details = status_line(answer)
+        assert f"{dropped} oldest messages left out" in summary and "system prompt stays" in details
+        # the next turn starts from the same cut
+        ctl.send({"text": "and the harbours?", "files": []}, cid, "Answer briefly.", 0.0, 1.0, 0, 16, 1, False,
+                 "medium")
+        for _ in ctl.generate(True, cid):
+            pass
+        assert sent[-1].dropped_hint == dropped
+        assert history.get(cid).messages[-1].stats["dropped_messages"] >= dropped
+    finally:
+        engine.shutdown()

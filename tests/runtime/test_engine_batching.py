@@ -164,3 +164,34 @@ def test_multi_turn_reuses_the_earlier_turn(oss):
     warm.shutdown()
     cold.shutdown()
 
+
+
+def test_a_chat_longer_than_the_context_goes_on_without_its_oldest_turns(oss):
+    from dataclasses import replace
+
+    engine = oss.engine(block_size=4, max_context=96)
+    turns = [("system", "Be brief.")]
+    for i in range(6):
+        turns += [("user", QUESTIONS[i % len(QUESTIONS)]), ("assistant", "Once upon a time there was a dragon.")]
+    request = replace(chat(*turns, ("user", "And then?"), max_tokens=8), overflow="drop_oldest")
+    assert len(engine.formatter.build(request).input_ids) > 96  # the whole chat does not fit
+    assert collect(engine.submit(replace(request, overflow="error")))[3].finish_reason == "error"
+
+    ids, _, _, final = collect(engine.submit(request))
+    assert final.finish_reason == "length" and final.dropped_messages > 0 and final.dropped_messages % 2 == 0
+    # exactly the tokens of the shortened chat sent as it is: system prompt, then from a question on
+    shortened = replace(request, messages=request.messages[:1] + request.messages[1 + final.dropped_messages:],
+                        overflow="error")
+    assert shortened.messages[1].role == "user"
+    same_ids, _, _, same = collect(engine.submit(shortened))
+    assert (ids, final.prompt_token_ids) == (same_ids, same.prompt_token_ids)
+    assert final.prompt_tokens + 8 <= 96 * 3 // 4  # room for the answer and the turns to come
+
+    # the next turn keeps that cut, so its prompt starts with the blocks already cached
+    following = replace(request, messages=request.messages + chat(("assistant", "The end."), ("user", "Why?")).messages,
+                        dropped_hint=final.dropped_messages)
+    before = engine.counters()["prefix_hit_tokens"]
+    _, _, _, next_final = collect(engine.submit(following))
+    assert next_final.dropped_messages == final.dropped_messages
+    assert engine.counters()["prefix_hit_tokens"] - before >= final.prompt_tokens // 4 * 4
+    engine.shutdown()
