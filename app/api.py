@@ -3,7 +3,8 @@
 Wire format follows the OpenAI Chat Completions reference (https://platform.openai.com/docs/api-reference/chat):
 `chat.completion` objects, `chat.completion.chunk` SSE events ending in `data: [DONE]`, and
 errors as {"error": {"message", "type", "param", "code"}}. Reasoning goes in `reasoning_content`
-beside `content`, the field name vLLM and llama.cpp use for reasoning parsers.
+beside `content`, the field name vLLM and llama.cpp use for reasoning parsers. Function calling
+(`tools`, `tool_calls`, `tool` messages) is translated in api_tools.py.
 The body is parsed by hand, not by pydantic, so every malformed request gets the OpenAI error shape.
 Model cards carry localchat's own facts (placement, weight and KV-cache memory) under the extra key
 "localchat", beside the standard id/object/created/owned_by fields.
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
+from localchat.app.api_tools import ToolsError, parse_tool_calls, parse_tools, tool_call_json
 from localchat.app.defaults import ANSWER_TOKENS
 from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_image
 from localchat.engine.runtime.request import (
@@ -39,7 +41,7 @@ from localchat.engine.runtime.request import (
 DEFAULT_MAX_TOKENS = ANSWER_TOKENS
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<b64>.*)$", re.S)
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 class ApiError(Exception):
@@ -131,12 +133,14 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
         collected = await _unless_gone(request, stream, run_in_threadpool(_collect, stream))
         if collected is _GONE:
             return Response(status_code=499)  # nobody reads it; the request was aborted
-        text, reasoning, final = collected
+        text, reasoning, calls, final = collected
         if final.finish_reason == "error":
             return _failure(final).response()
-        message = {"role": "assistant", "content": text}
+        message = {"role": "assistant", "content": text if text or not calls else None}
         if reasoning:
             message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [tool_call_json(c) for c in calls]
         return {"id": cid, "object": "chat.completion", "created": created, "model": info.name,
                 "choices": [{"index": 0, "message": message, "logprobs": None,
                              "finish_reason": _finish(final.finish_reason)}],
@@ -167,8 +171,10 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
     if body.get("logprobs") or body.get("top_logprobs"):
         raise ApiError(400, "localchat does not return log probabilities: leave out 'logprobs' and "
                             "'top_logprobs'.", param="logprobs")
-    if body.get("tools") or body.get("functions"):
-        raise ApiError(400, "Tool and function calling are not supported by localchat yet.", param="tools")
+    try:
+        tools = parse_tools(body)
+    except ToolsError as e:
+        raise ApiError(400, e.message, param=e.param)
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise ApiError(400, "Only response_format {'type': 'text'} is supported.", param="response_format")
@@ -213,15 +219,18 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
         raise ApiError(400, "'stream' must be true or false.", param="stream")
     include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
     chat = ChatRequest(messages, sampling, thinking=thinking,
-                       reasoning_effort=effort if effort in ("low", "medium", "high") else "low")
+                       reasoning_effort=effort if effort in ("low", "medium", "high") else "low", tools=tools)
     return ParsedRequest(chat, stream, include_usage)
 
 
 def _parse_message(m: object, i: int, info: ModelInfo, limits: ImageLimits) -> Message:
     if not isinstance(m, dict) or m.get("role") not in _ROLES:
-        raise ApiError(400, f"messages[{i}] needs a role of system, developer, user or assistant.",
+        raise ApiError(400, f"messages[{i}] needs a role of system, developer, user, assistant or tool.",
                        param=f"messages[{i}].role")
     role, content = _ROLES[m["role"]], m.get("content")
+    if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+        raise ApiError(400, f"messages[{i}] (a tool result) needs the tool_call_id of the call it answers.",
+                       param=f"messages[{i}].tool_call_id")
     parts: list = []
     if isinstance(content, str):
         parts.append(TextPart(content))
@@ -239,7 +248,12 @@ def _parse_message(m: object, i: int, info: ModelInfo, limits: ImageLimits) -> M
         raise ApiError(400, f"messages[{i}].content must be a string or a list of parts.",
                        param=f"messages[{i}].content")
     reasoning = m.get("reasoning_content") if role == "assistant" else None
-    return Message(role, tuple(parts), reasoning if isinstance(reasoning, str) else None)
+    try:
+        calls = parse_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls") if role == "assistant" else ()
+    except ToolsError as e:
+        raise ApiError(400, e.message, param=e.param)
+    return Message(role, tuple(parts), reasoning if isinstance(reasoning, str) else None, calls,
+                   m.get("tool_call_id") if role == "tool" else None)
 
 
 def _parse_part(p: object, where: str, role: str, info: ModelInfo, limits: ImageLimits):
@@ -345,19 +359,20 @@ async def _unless_gone(request: Request, stream: RequestStream, work):
             return _GONE
 
 
-def _collect(stream: RequestStream) -> tuple[str, str, Final]:
-    text, reasoning, final = [], [], None
+def _collect(stream: RequestStream) -> tuple[str, str, list, Final]:
+    text, reasoning, calls, final = [], [], [], None
     try:
         for item in stream:
             if isinstance(item, Delta):
                 text.append(item.text)
                 reasoning.append(item.reasoning)
+                calls += getattr(item, "tool_calls", ())
             else:
                 final = item
     finally:
         if final is None:
             stream.close()
-    return "".join(text), "".join(reasoning), final
+    return "".join(text), "".join(reasoning), calls, final
 
 
 class _EventSource:
@@ -393,7 +408,7 @@ async def _sse(source: _EventSource, cid: str, created: int, model: str, include
             chunk["usage"] = usage
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
-    final = None
+    final, calls = None, 0
     try:
         yield event({"role": "assistant", "content": ""})
         while final is None:
@@ -403,12 +418,17 @@ async def _sse(source: _EventSource, cid: str, created: int, model: str, include
             if isinstance(item, Final):
                 final = item
                 source.finished = True
-            elif item.text or item.reasoning:
-                delta = {}
-                if item.reasoning:
-                    delta["reasoning_content"] = item.reasoning
-                if item.text:
-                    delta["content"] = item.text
+                continue
+            delta = {}
+            if item.reasoning:
+                delta["reasoning_content"] = item.reasoning
+            if item.text:
+                delta["content"] = item.text
+            if getattr(item, "tool_calls", ()):
+                # each call whole, in one delta (clients join argument fragments; one is a fragment too)
+                delta["tool_calls"] = [tool_call_json(c, calls + k) for k, c in enumerate(item.tool_calls)]
+                calls += len(item.tool_calls)
+            if delta:
                 yield event(delta)
         if final is not None and final.finish_reason == "error":
             yield f"data: {json.dumps(_failure(final).body())}\n\n"
@@ -422,7 +442,7 @@ async def _sse(source: _EventSource, cid: str, created: int, model: str, include
 
 
 def _finish(reason: str) -> str:
-    return reason if reason in ("stop", "length") else "stop"
+    return reason if reason in ("stop", "length", "tool_calls") else "stop"
 
 
 def _usage(final: Final) -> dict:

@@ -22,7 +22,7 @@ DEMO_NAME = "demo"
 DEMO_NOTE = ("Demo model: random weights and a small word-pair table; the answers are made up and "
              "ignore your images and question.")
 # Bump when anything written below changes, so stale cached builds are not reused.
-DEMO_VERSION = 2
+DEMO_VERSION = 3
 VOCAB = 336  # the test fixtures' tokenizer has 321 entries; the embedding is padded like the real one's
 DEMO_BPE_VOCAB = 1024  # enough merges that every word of the demo text is one token
 SHARDS = 3
@@ -35,7 +35,9 @@ BPE_VOCAB = 300  # 256 byte symbols + 44 merges
 GLM_SPECIAL = ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
                "<|assistant|>", "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>",
                "<|end_of_video|>", "<|image|>", "<|video|>")
-GLM_ADDED = ("<think>", "</think>", "/nothink", "<|begin_of_box|>", "<|end_of_box|>")
+GLM_ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+             "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "/nothink", "<|begin_of_box|>",
+             "<|end_of_box|>")
 
 # A few hundred merges are learned from this fixed text so ordinary words are not one token per byte.
 _CORPUS = [
@@ -54,7 +56,11 @@ _CORPUS = [
 # `<|begin_of_image|><|image|><|end_of_image|>`; `/nothink` ends user turns when thinking is off;
 # assistant history carries `\n<think>reasoning</think>` only after the last user turn (else
 # `\n<think></think>`), then `\ncontent`; the generation prompt is `<|assistant|>\n`, plus
-# `<think></think>\n` when thinking is off.
+# `<think></think>\n` when thinking is off. With tools, a `<|system|>\n# Tools` block lists them
+# as JSON inside `<tools></tools>` and shows the call format; an assistant's calls follow its text
+# as `\n<tool_call>NAME` + `\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>` per argument (V as
+# text for strings, JSON otherwise) + `\n</tool_call>`; results are `<|observation|>` (once for a
+# run of them) then `\n<tool_response>\n...\n</tool_response>` each.
 GLM_CHAT_TEMPLATE = r"""{%- macro visible(content) -%}
 {%- if content is string -%}{{ content }}
 {%- elif content is not none -%}
@@ -70,6 +76,11 @@ GLM_CHAT_TEMPLATE = r"""{%- macro visible(content) -%}
 {%- set ns = namespace(last_user=-1) -%}
 {%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
 {{- '[gMASK]<sop>' -}}
+{%- if tools -%}
+{{- '<|system|>\n# Tools\n\nFunctions you may call, one JSON signature a line:\n<tools>\n' -}}
+{%- for tool in tools -%}{{- tool | tojson -}}{{- '\n' -}}{%- endfor -%}
+{{- '</tools>\n\nTo call one, write:\n<tool_call>{name}\n<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n...\n</tool_call>' -}}
+{%- endif -%}
 {%- for m in messages -%}
 {%- set text = visible(m.content) -%}
 {%- if m.role == 'system' -%}
@@ -90,8 +101,19 @@ GLM_CHAT_TEMPLATE = r"""{%- macro visible(content) -%}
 {{- '\n<think></think>' -}}
 {%- endif -%}
 {%- if text.strip() -%}{{- '\n' + text.strip() -}}{%- endif -%}
+{%- for call in m.tool_calls or [] -%}
+{%- set fn = call.function if call.function is defined else call -%}
+{{- '\n<tool_call>' + fn.name -}}
+{%- if fn.arguments is mapping -%}
+{%- for key, value in fn.arguments.items() -%}
+{{- '\n<arg_key>' + key + '</arg_key>\n<arg_value>' + (value if value is string else value | tojson) + '</arg_value>' -}}
+{%- endfor -%}
+{%- endif -%}
+{{- '\n</tool_call>' -}}
+{%- endfor -%}
 {%- elif m.role in ['tool', 'observation'] -%}
-{{- '<|observation|>\n<tool_response>\n' + text + '\n</tool_response>' -}}
+{%- if loop.first or messages[loop.index0 - 1].role not in ['tool', 'observation'] -%}{{- '<|observation|>' -}}{%- endif -%}
+{{- '\n<tool_response>\n' + text + '\n</tool_response>' -}}
 {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}

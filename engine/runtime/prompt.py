@@ -8,6 +8,7 @@ without torchvision; the image processor alone can.
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..spec import ModelSpec
-from .request import ChatRequest, ImagePart, Message, TextPart
+from .request import ChatRequest, ImagePart, Message, TextPart, ToolCall
 
 
 @dataclass
@@ -55,6 +56,16 @@ def _defuse(text: str, specials: tuple[str, ...]) -> str:
     return text
 
 
+def _arguments(call: ToolCall):
+    """A call's arguments as the templates want them: a mapping (they write it out as JSON, or
+    argument by argument); text that is not a JSON object stays text."""
+    try:
+        value = json.loads(call.arguments)
+    except ValueError:
+        return call.arguments
+    return value if isinstance(value, dict) else call.arguments
+
+
 def _hf_messages(messages: tuple[Message, ...], family: str, specials: tuple[str, ...] = ()) -> list[dict]:
     out = []
     for m in messages:
@@ -73,8 +84,52 @@ def _hf_messages(messages: tuple[Message, ...], family: str, specials: tuple[str
         if m.role == "assistant" and m.reasoning:
             msg["reasoning_content"] = m.reasoning  # GLM templates
             msg["thinking"] = m.reasoning  # gpt-oss template
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c)}}
+                                 for c in m.tool_calls]
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
+    return _one_call_a_message(out) if family == "gpt_oss" else out
+
+
+def _one_call_a_message(messages: list[dict]) -> list[dict]:
+    """gpt-oss's template renders one call per assistant message and names each result after the
+    call before it: an assistant message with several calls becomes one message per call, each
+    followed by its result (matched by tool_call_id). The template also refuses a call message
+    with both text and thinking; the thinking is what the model wrote before calling, so it stays."""
+    out, i = [], 0
+    while i < len(messages):
+        m = messages[i]
+        calls = m.get("tool_calls") or []
+        if m["role"] != "assistant" or not calls:
+            out.append(m)
+            i += 1
+            continue
+        if m.get("thinking"):
+            m = {**m, "content": ""}
+        results = []
+        while i + 1 < len(messages) and messages[i + 1]["role"] == "tool":
+            results.append(messages[i + 1])
+            i += 1
+        i += 1
+        for n, call in enumerate(calls):
+            # the thinking and text once, before the first call
+            first = {k: v for k, v in m.items() if k != "tool_calls"} if n == 0 else {"role": "assistant", "content": ""}
+            out.append({**first, "tool_calls": [call]})
+            out += [r for r in results if r.get("tool_call_id") == call["id"]]
+        out += [r for r in results if r.get("tool_call_id") not in {c["id"] for c in calls}]
     return out
+
+
+def _template_tool(tool: dict) -> dict:
+    """An OpenAI tool entry with every field the templates read (gpt-oss's writes the description
+    and the parameters' properties unguarded)."""
+    fn = dict(tool.get("function", tool))
+    fn.setdefault("description", "")
+    if not isinstance(fn.get("parameters"), dict):
+        fn["parameters"] = {"type": "object", "properties": {}}
+    return {"type": "function", "function": fn}
 
 
 class ChatFormatter:
@@ -91,6 +146,8 @@ class ChatFormatter:
     def render(self, request: ChatRequest) -> str:
         kwargs = {"enable_thinking": request.thinking} if self.spec.family == "glm4v_moe" else {
             "reasoning_effort": request.reasoning_effort}
+        if request.tools:
+            kwargs["tools"] = [_template_tool(t) for t in request.tools]
         return self.tokenizer.apply_chat_template(
             _hf_messages(request.messages, self.spec.family, self.special_texts), tokenize=False, add_generation_prompt=True, **kwargs)
 

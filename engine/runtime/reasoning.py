@@ -1,17 +1,23 @@
-"""Split a model's streamed output into reasoning and answer text.
+"""Split a model's streamed output into reasoning, answer text and function calls.
 
 GLM-4.5V thinks inside `<think>...</think>` before answering; grounding boxes arrive as
 `<|begin_of_box|>...<|end_of_box|>` inside the answer and stay there (see `parse_boxes`).
 gpt-oss writes harmony messages: `<|channel|>analysis<|message|>...<|end|>` (reasoning), then
-`<|start|>assistant<|channel|>final<|message|>...<|return|>` (the answer).
+`<|start|>assistant<|channel|>final<|message|>...<|return|>` (the answer). When the request
+offers tools, each family's calls (tool_calls.py) are taken out of the text and collected in
+`calls` instead.
 
 Both parsers take text pieces as the detokenizer releases them (special tokens included) and
 hold back any tail that might be the start of a tag, so a tag split across tokens is still seen.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+
+from .request import ToolCall
+from .tool_calls import glm_tool_call, harmony_recipient, harmony_tool_call, tool_schemas
 
 
 class _TagScanner:
@@ -58,20 +64,36 @@ class _TagScanner:
 
 
 class GlmReasoningParser:
-    """`thinking=False` means the prompt already closed an empty think block."""
+    """`thinking=False` means the prompt already closed an empty think block. With `tools`, the
+    answer's `<tool_call>...</tool_call>` spans become ToolCalls in `calls`."""
 
-    def __init__(self, thinking: bool = True):
-        self.scanner = _TagScanner(("<think>", "</think>"))
+    def __init__(self, thinking: bool = True, tools: tuple[dict, ...] = ()):
+        self.schemas = tool_schemas(tools) if tools else None
+        tags = ("<think>", "</think>") + (("<tool_call>", "</tool_call>") if tools else ())
+        self.scanner = _TagScanner(tags)
         self.in_think = False
         self.thinking = thinking
+        self.call: list[str] | None = None  # the text of a call being written
+        self.calls: list[ToolCall] = []
 
     def _route(self, events) -> tuple[str, str]:
         answer, reasoning = [], []
         for kind, value in events:
-            if kind == "tag":
+            if kind == "tag" and value in ("<think>", "</think>") and self.call is None:
                 self.in_think = value == "<think>"
             elif self.in_think:
                 reasoning.append(value)
+            elif kind == "tag" and value == "<tool_call>":
+                self.call = []
+            elif kind == "tag" and value == "</tool_call>" and self.call is not None:
+                inner, self.call = "".join(self.call), None
+                call = glm_tool_call(inner, self.schemas)
+                if call is None:
+                    answer.append(f"<tool_call>{inner}</tool_call>")
+                else:
+                    self.calls.append(call)
+            elif self.call is not None:
+                self.call.append(value)
             else:
                 answer.append(value)
         return "".join(answer), "".join(reasoning)
@@ -81,20 +103,34 @@ class GlmReasoningParser:
         return self._route(self.scanner.feed(text))
 
     def finish(self) -> tuple[str, str]:
-        return self._route(self.scanner.flush())
+        answer, reasoning = self._route(self.scanner.flush())
+        if self.call is not None:  # a call cut off (max tokens): shown as the text it is
+            answer, self.call = answer + "<tool_call>" + "".join(self.call), None
+        return answer, reasoning
 
 
 class HarmonyParser:
     """gpt-oss harmony channels. Text in the `final` channel is the answer; `analysis` and
-    `commentary` are reasoning. Headers (role, channel, recipient) are never shown."""
+    `commentary` are reasoning. Headers (role, channel, recipient) are never shown. With `tools`,
+    a message addressed to `functions.NAME` is a call: its text (the JSON arguments) becomes a
+    ToolCall in `calls` when the message ends (`<|call|>`, which also ends the turn)."""
 
     TAGS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
 
-    def __init__(self):
+    def __init__(self, tools: tuple[dict, ...] = ()):
         self.scanner = _TagScanner(self.TAGS)
         self.in_header = True  # the generation prompt ends in "<|start|>assistant"
         self.header = ""
         self.channel = None
+        self.tools = bool(tools)
+        self.function: str | None = None  # the function the current message calls
+        self.arguments: list[str] = []
+        self.calls: list[ToolCall] = []
+
+    def _end_call(self) -> None:
+        if self.function is not None:
+            self.calls.append(harmony_tool_call(self.function, "".join(self.arguments)))
+            self.function, self.arguments = None, []
 
     def _route(self, events) -> tuple[str, str]:
         answer, reasoning = [], []
@@ -104,13 +140,17 @@ class HarmonyParser:
                     self.in_header = False
                     match = re.search(r"<\|channel\|>\s*(\w+)", self.header)
                     self.channel = match.group(1) if match else "final"
+                    self.function = harmony_recipient(self.header) if self.tools else None
                     self.header = ""
                 elif value in ("<|start|>", "<|end|>", "<|return|>", "<|call|>"):
+                    self._end_call()
                     self.in_header, self.header = True, ""
                 elif self.in_header:
                     self.header += value
             elif self.in_header:
                 self.header += value
+            elif self.function is not None:
+                self.arguments.append(value)
             elif self.channel == "final":
                 answer.append(value)
             else:
@@ -121,11 +161,26 @@ class HarmonyParser:
         return self._route(self.scanner.feed(text))
 
     def finish(self) -> tuple[str, str]:
-        return self._route(self.scanner.flush())
+        # <|call|> ends the turn as an end-of-sequence id, which is never detokenized: the call
+        # being written is complete when the turn ends, unless its arguments were cut off (max
+        # tokens), when they stay the commentary text they are
+        answer, reasoning = self._route(self.scanner.flush())
+        if self.function is not None and not _is_json("".join(self.arguments)):
+            reasoning, self.function, self.arguments = reasoning + "".join(self.arguments), None, []
+        self._end_call()
+        return answer, reasoning
 
 
-def reasoning_parser(family: str, thinking: bool = True):
-    return GlmReasoningParser(thinking) if family == "glm4v_moe" else HarmonyParser()
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text or "{}")
+    except ValueError:
+        return False
+    return True
+
+
+def reasoning_parser(family: str, thinking: bool = True, tools: tuple[dict, ...] = ()):
+    return GlmReasoningParser(thinking, tools) if family == "glm4v_moe" else HarmonyParser(tools)
 
 
 @dataclass(frozen=True)

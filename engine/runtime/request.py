@@ -42,12 +42,26 @@ Part = Union[TextPart, ImagePart]
 
 
 @dataclass(frozen=True)
-class Message:
-    """role: "system" | "user" | "assistant". `reasoning` is an assistant turn's thinking text."""
+class ToolCall:
+    """A function call the model asked for: `arguments` is a JSON object as text, as OpenAI's API
+    carries it; `id` names the call so its result (a "tool" message) can refer to it."""
 
-    role: Literal["system", "user", "assistant"]
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Message:
+    """role: "system" | "user" | "assistant" | "tool". `reasoning` is an assistant turn's thinking
+    text, `tool_calls` the calls it made; a "tool" message is one call's result (its text), naming
+    the call by `tool_call_id`."""
+
+    role: Literal["system", "user", "assistant", "tool"]
     content: tuple[Part, ...]
     reasoning: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
     @classmethod
     def text(cls, role: str, text: str) -> "Message":
@@ -79,7 +93,10 @@ class ChatRequest:
     ("error", as OpenAI-compatible servers do) or has its oldest turns left out ("drop_oldest",
     engine/runtime/context_fit.py); dropped_hint: with "drop_oldest", how many messages after the
     system prompt an earlier answer of the same conversation left out (Final.dropped_messages),
-    so the cut stays put and the prefix cache keeps serving the rest."""
+    so the cut stays put and the prefix cache keeps serving the rest. tools: functions the model may
+    call, each as OpenAI's {"type": "function", "function": {"name", "description", "parameters"
+    (JSON schema)}}; the chat template shows them to the model and its calls come back as
+    Delta.tool_calls."""
 
     messages: tuple[Message, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -87,15 +104,18 @@ class ChatRequest:
     reasoning_effort: str = "medium"
     overflow: Literal["error", "drop_oldest"] = "error"
     dropped_hint: int = 0
+    tools: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)
 class Delta:
-    """New answer text, new reasoning text and the token ids that produced them."""
+    """New answer text, new reasoning text and the token ids that produced them; tool_calls: calls
+    the model finished writing with these tokens (each whole)."""
 
     text: str = ""
     reasoning: str = ""
     token_ids: tuple[int, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,7 +138,8 @@ class Timings:
 
 @dataclass(frozen=True)
 class Final:
-    """The last item of every stream. finish_reason: "stop" | "length" | "abort" | "error".
+    """The last item of every stream. finish_reason: "stop" | "length" | "abort" | "error" |
+    "tool_calls" (the model stopped after calling tools, and waits for their results).
     dropped_messages: how many messages after the system prompt were left out to fit the context
     (ChatRequest.overflow "drop_oldest"; 0 otherwise)."""
 

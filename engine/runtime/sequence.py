@@ -191,7 +191,7 @@ class Sequence:
         if token in self.eos_ids:
             return "stop"
         answer, reasoning = self.text.push(token)
-        self.stream.items.put(Delta(answer, reasoning, (token,)))
+        self.stream.items.put(Delta(answer, reasoning, (token,), self.text.take_tool_calls()))
         if self.text.stopped:
             return "stop"
         if len(self.generated) >= self.max_tokens:
@@ -203,8 +203,11 @@ class Sequence:
         self.status = Status.FINISHED
         if reason != "error":
             answer, reasoning = self.text.finish()
-            if answer or reasoning:
-                self.stream.items.put(Delta(answer, reasoning))
+            calls = self.text.take_tool_calls()
+            if answer or reasoning or calls:
+                self.stream.items.put(Delta(answer, reasoning, tool_calls=calls))
+            if reason == "stop" and self.text.called:
+                reason = "tool_calls"  # the turn ended waiting for the calls' results
         self.stream.items.put(Final(reason, self.prompt_len, len(self.generated),
                                     self.clock.timings(len(self.generated)),
                                     prompt_token_ids=tuple(self.prompt.input_ids), error=error,

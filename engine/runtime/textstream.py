@@ -1,5 +1,6 @@
-"""From generated token ids to answer and reasoning text: incremental detokenization, the
-family's reasoning splitter, stop strings, and removal of leftover special-token text."""
+"""From generated token ids to answer and reasoning text and tool calls: incremental
+detokenization, the family's output parser, stop strings, and removal of leftover special-token
+text."""
 from __future__ import annotations
 
 from .detokenize import IncrementalDetokenizer
@@ -7,9 +8,11 @@ from .reasoning import reasoning_parser
 
 
 class TextAssembler:
-    def __init__(self, tokenizer, family: str, thinking: bool, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, family: str, thinking: bool, stop: tuple[str, ...] = (),
+                 tools: tuple[dict, ...] = ()):
         self.detok = IncrementalDetokenizer(tokenizer)
-        self.parser = reasoning_parser(family, thinking)
+        self.parser = reasoning_parser(family, thinking, tools)
+        self.called = 0  # tool calls handed out so far
         self.stop = tuple(s for s in stop if s)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""  # answer text held back while it could be the start of a stop string
@@ -59,3 +62,9 @@ class TextAssembler:
         tail, self.pending = ("" if self.stopped else self.pending), ""
         self.answer += tail
         return answer + tail, reasoning
+
+    def take_tool_calls(self) -> tuple:
+        """The tool calls completed since the last call (ToolCall records)."""
+        fresh = self.parser.calls[self.called:]
+        self.called = len(self.parser.calls)
+        return tuple(fresh)

@@ -3,7 +3,8 @@
 It answers "Seen <n> image(s). You said: <last user text>" followed by numbered filler words, so
 tests can check what reached the engine. With `reasoning="thinking"` and `request.thinking` on it
 first streams reasoning deltas the way a GLM <think> splitter would. Every `close()` is recorded
-in `engine.closed` so tests can assert that Stop / a client disconnect reached the engine.
+in `engine.closed` so tests can assert that Stop / a client disconnect reached the engine. Given
+`calls` and a request with tools, it answers with those tool calls (finish_reason "tool_calls").
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import threading
 from typing import Iterator
 
 from localchat.engine.runtime.request import (
-    ChatRequest, Delta, Final, ImagePart, ModelInfo, StreamItem, TextPart, Timings,
+    ChatRequest, Delta, Final, ImagePart, ModelInfo, StreamItem, TextPart, Timings, ToolCall,
 )
 from localchat.engine.spec import SamplingDefaults
 
@@ -31,6 +32,9 @@ class FakeStream:
         deltas: list[Delta] = []
         if self.engine.reasoning == "thinking" and req.thinking:
             deltas += [Delta(reasoning=w + " ", token_ids=(1,)) for w in self.engine.thinking_words]
+        if req.tools and self.engine.calls:
+            deltas += [Delta(tool_calls=(c,), token_ids=(5,)) for c in self.engine.calls]
+            return deltas[: req.sampling.max_tokens], 10
         head = f"Seen {n_images} image(s). You said: {said}"
         deltas.append(Delta(text=head, token_ids=(2,)))
         deltas += [Delta(text=f" w{i}", token_ids=(3,)) for i in range(self.engine.filler_words)]
@@ -50,7 +54,7 @@ class FakeStream:
             yield d
         limit_hit = len(deltas) == self.request.sampling.max_tokens
         if self.finish_reason is None:
-            self.finish_reason = "length" if limit_hit else "stop"
+            self.finish_reason = "length" if limit_hit else "tool_calls" if any(d.tool_calls for d in deltas) else "stop"
         yield Final(self.finish_reason, prompt_tokens, sent,
                     Timings(image_encode=0.01, prefill=0.02, first_token=0.003, decode=0.1,
                             decode_tokens_per_s=100.0))
@@ -67,10 +71,10 @@ class FakeEngine:
     def __init__(self, *, reasoning: str = "thinking", delay: float = 0.01, filler_words: int = 5,
                  thinking_words: tuple[str, ...] = ("Let", "me", "look."), name: str = "fake-glm",
                  context_length: int = 8192, extra_markdown: str = "",
-                 sampling: SamplingDefaults = SamplingDefaults()):
+                 sampling: SamplingDefaults = SamplingDefaults(), calls: tuple[ToolCall, ...] = ()):
         self.reasoning, self.delay, self.filler_words = reasoning, delay, filler_words
         self.thinking_words, self.name, self.context_length = thinking_words, name, context_length
-        self.extra_markdown, self.sampling = extra_markdown, sampling
+        self.extra_markdown, self.sampling, self.calls = extra_markdown, sampling, calls
         self.requests: list[ChatRequest] = []
         self.streams: list[FakeStream] = []
         self.closed: list[FakeStream] = []

@@ -11,10 +11,12 @@ from demo_engine import DemoEngine, slow_steps, without_end_of_text
 from fake_engine import FakeEngine
 from live_server import LiveServer, png_bytes
 from localchat.app.ui import create_app
-from localchat.engine.runtime.request import Final, ImagePart, TextPart
+from localchat.engine.runtime.request import Final, ImagePart, TextPart, ToolCall
 from localchat.engine.spec import SamplingDefaults
 
 KEY = "sk-local-test"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
 @pytest.fixture
@@ -101,7 +103,14 @@ def test_errors_use_openai_format(api):
     assert e.value.code == "model_not_found"
     headers = {"Authorization": f"Bearer {KEY}"}
     cases = [({"messages": []}, "messages"), ({"messages": [{"role": "user", "content": "x"}], "temperature": 5}, "temperature"),
-             ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+             ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+             ({"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role"),
+             ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
+             ({"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": "required"},
+              "tool_choice"),
+             ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions"),
+             ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "a"}]}]},
+              "messages[1].tool_calls[0]"),
              ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
              ({"messages": [{"role": "user", "content": "x"}], "stop": {"a": 1}}, "stop"),
              ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
@@ -266,3 +275,35 @@ def test_model_card_carries_the_sliding_window_pool():
                      kv_cache_bytes=25_165_824, kv_cache_tokens=16384, kv_window_tokens=2048)
     extra = _model_card(info, 0)["localchat"]
     assert (extra["kv_cache_tokens"], extra["kv_window_tokens"]) == (16384, 2048)
+
+
+def test_tool_calls_round_trip(history):
+    calls = (ToolCall("call_1", "get_weather", '{"city": "Paris"}'), ToolCall("call_2", "get_weather", '{"city": "Oslo"}'))
+    engine = FakeEngine(delay=0.002, calls=calls)
+    with LiveServer(create_app(engine, history)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "v1", api_key="unused", max_retries=0)
+        question = [{"role": "user", "content": "Weather in Paris and Oslo?"}]
+        r = client.chat.completions.create(model="fake-glm", messages=question, tools=[WEATHER])
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [(c.id, c.type, c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("call_1", "function", "get_weather", {"city": "Paris"}), ("call_2", "function", "get_weather", {"city": "Oslo"})]
+        assert engine.requests[-1].tools == (WEATHER,)
+
+        # streamed: one delta per call, indexed, then finish_reason tool_calls
+        chunks = list(client.chat.completions.create(model="fake-glm", messages=question, tools=[WEATHER], stream=True))
+        deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+        assert [(d[0].index, d[0].id, d[0].function.name) for d in deltas] == [(0, "call_1", "get_weather"),
+                                                                             (1, "call_2", "get_weather")]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+        # the results sent back: the engine gets the calls and the results, matched by id
+        follow = question + [choice.message.model_dump(exclude_none=True),
+                             {"role": "tool", "tool_call_id": "call_2", "content": "snow"},
+                             {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sun"}]}]
+        r = client.chat.completions.create(model="fake-glm", messages=follow, tools=[WEATHER], tool_choice="none")
+        sent = engine.requests[-1]
+        assert sent.tools == () and r.choices[0].finish_reason == "stop"  # "none": the model is not shown them
+        assert [m.role for m in sent.messages] == ["user", "assistant", "tool", "tool"]
+        assert sent.messages[1].tool_calls == calls
+        assert [(m.tool_call_id, m.content[0].text) for m in sent.messages[2:]] == [("call_2", "snow"), ("call_1", "sun")]
