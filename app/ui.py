@@ -65,6 +65,7 @@ def build_ui(engine: ChatEngine, history: History, *, demo_note: str | None = No
                     export_json_btn = gr.Button("Export JSON", size="sm")
                     export_md_btn = gr.Button("Export Markdown", size="sm")
                 export_file = gr.File(label="Download", interactive=False)
+            import_btn = gr.UploadButton("Import a chat (JSON)", file_types=[".json"], size="sm", elem_id="lc-import")
         if demo_note:
             gr.Markdown(demo_note, elem_id="lc-demo-note")
         chatbot = gr.Chatbot(elem_id="lc-chat", show_label=False, editable="user", buttons=["copy", "copy_all"],
@@ -127,6 +128,8 @@ def build_ui(engine: ChatEngine, history: History, *, demo_note: str | None = No
         delete_btn.click(ctl.delete, [conv_id, query], [chatbot, conv_id, title, chats], api_name="delete")
         export_json_btn.click(lambda c: ctl.export(c, "json"), [conv_id], [export_file], api_name="export_json")
         export_md_btn.click(lambda c: ctl.export(c, "md"), [conv_id], [export_file], api_name="export_markdown")
+        import_btn.upload(ctl.import_chat, [import_btn, query], [chatbot, conv_id, title, chats] + settings,
+                          api_name="import_chat")
         dark_btn.click(None, js=DARK_TOGGLE_JS)
         # Other tabs may have added chats: refresh the list whenever a page loads.
         demo.load(ctl.search, [query, conv_id], [chats], api_visibility="private")

@@ -16,6 +16,7 @@ from dataclasses import replace
 import gradio as gr
 
 from localchat.app.history import DONE, ERROR, PARTIAL, STOPPED, ChatSettings, History, StoredMessage
+from localchat.app.history_import import ImportRejected, import_conversation
 from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_image
 from localchat.app.ui_render import answer_stats, render
 from localchat.engine.runtime.request import (
@@ -241,6 +242,20 @@ class ChatController:
         if self.history.exists(cid):
             self.history.delete(cid)
         return [[], None, "", self._list_update(None, query)]
+
+    def import_chat(self, file, query: str = ""):
+        """A conversation from an Export JSON file, opened as a new chat. Returns (chatbot, conv id,
+        title box, conversation list, *settings values); a refused file leaves everything as it was."""
+        path = file if isinstance(file, str) else getattr(file, "name", None) or (file or {}).get("path")
+        try:
+            with open(path, "rb") as f:
+                cid = import_conversation(self.history, f.read())
+        except (ImportRejected, OSError, TypeError) as e:
+            gr.Warning(f"Could not import that file: {e}")
+            return [gr.skip()] * (4 + len(SETTINGS_FIELDS))
+        conv = self.history.get(cid)
+        return [render(conv.messages, self.history)[0], cid, conv.title,
+                self._list_update(cid, query)] + self.settings_values(conv.settings)
 
     def export(self, cid: str | None, kind: str):
         if not self.history.exists(cid):

@@ -109,6 +109,51 @@ def test_exports_show_grounding_boxes_as_the_chat_does(tmp_path):
     assert "- box 1: [10, 20, 300, 400]" in md and "- box 3: [12.5, 0, 40, 60]" in md
 
 
+def test_an_export_imports_as_the_same_chat_elsewhere(tmp_path):
+    from localchat.app.history_import import import_conversation
+
+    h = History(tmp_path / "a")
+    cid = h.create("Trip", ChatSettings(system_prompt="sys", temperature=0.3, thinking=False))
+    red, blue = png_bytes(8, 8, (200, 0, 0)), png_bytes(8, 8, (0, 0, 200), fmt="JPEG")
+    h.add_message(cid, "user", "where are the cats?", images=[h.put_image(red), h.put_image(blue)])
+    mid = h.begin_answer(cid)
+    raw = "A cat <|begin_of_box|>[[10,20,300,400]]<|end_of_box|>."
+    h.finish_answer(mid, raw, "thinking", {"completion_tokens": 7, "dropped_messages": 2}, status="stopped")
+    exported = h.export_json(cid).encode()
+
+    other = History(tmp_path / "b")  # another machine: none of the images are there
+    new = import_conversation(other, exported)
+    conv, orig = other.get(new), h.get(cid)
+    assert (conv.title, conv.settings) == (orig.title, orig.settings)
+    strip = [(m.role, m.text, m.reasoning, m.images, m.stats, m.status) for m in orig.messages]
+    assert [(m.role, m.text, m.reasoning, m.images, m.stats, m.status) for m in conv.messages] == strip
+    assert other.image_path(conv.messages[0].images[1]).read_bytes() == blue
+    # a second import is a second chat, and the images are stored once
+    assert import_conversation(other, exported) != new and len(other.list()) == 2
+    # without embedded images it imports only where the images already are
+    bare = h.export_json(cid, embed_images=False).encode()
+    assert import_conversation(h, bare) and len(h.list()) == 2
+    other_bare = History(tmp_path / "c")
+    with pytest.raises(ValueError, match="exported without images"):
+        import_conversation(other_bare, bare)
+    assert other_bare.list() == []
+
+
+@pytest.mark.parametrize("data,reason", [
+    (b"not json", "not JSON"), (b'{"format": "something-else"}', "not a localchat conversation"),
+    (b'{"format": "localchat-conversation", "messages": [{"role": "tool"}]}', "message 1 is not"),
+    (b'{"format": "localchat-conversation", "messages": [{"role": "user", "text": "x", "images": '
+     b'[{"data_url": "data:image/png;base64,aGVsbG8="}]}]}', "image 1 is not a readable image"),
+])
+def test_a_file_that_is_not_an_export_is_refused_and_changes_nothing(tmp_path, data, reason):
+    from localchat.app.history_import import ImportRejected, import_conversation
+
+    h = History(tmp_path)
+    with pytest.raises(ImportRejected, match=reason):
+        import_conversation(h, data)
+    assert h.list() == []
+
+
 _WRITER = r"""
 import sys, time
 from localchat.app.history import History

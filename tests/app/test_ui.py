@@ -224,3 +224,23 @@ def test_engine_reports_its_kv_cache(demo_runtime):
     cache = demo_runtime.cache
     assert info.kv_cache_bytes == 2 * cache.k.numel() * cache.k.element_size() > 0
     assert info.kv_cache_tokens == demo_runtime.pool.num_blocks * demo_runtime.block_size >= info.context_length
+
+
+def test_an_exported_chat_imports_from_the_sidebar(live, tmp_path):
+    engine, history, client, _ = live
+    client.predict({"text": "first question", "files": []}, api_name="/send")
+    _wait(client.submit(api_name="/generate"))
+    (cid, _, _), = history.list()
+    exported = tmp_path / "chat.json"
+    exported.write_text(history.export_json(cid))
+    chatbot, title, chats, *_ = client.predict(handle_file(str(exported)), "", api_name="/import_chat")
+    assert title == "first question" and len(history.list()) == 2
+    assert chats["value"] != cid and chats["value"] in {c for _, c in chats["choices"]}  # opened, and listed
+    from localchat.app.ui_render import render
+    shown = render(history.get(cid).messages, history)[0]  # the original chat as the page shows it
+    assert [m["role"] for m in chatbot] == [m["role"] for m in shown] and _text(chatbot[0]) == "first question"
+    assert any("You said: first question" in _text(m) for m in chatbot[1:])
+    bad = tmp_path / "other.json"
+    bad.write_text('{"hello": 1}')
+    client.predict(handle_file(str(bad)), "", api_name="/import_chat")
+    assert len(history.list()) == 2
