@@ -17,6 +17,7 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
 import fastapi  # noqa: E402
 import gradio as gr  # noqa: E402
+from fastapi.responses import JSONResponse  # noqa: E402
 
 from localchat.app.api import create_api  # noqa: E402
 from localchat.app.history import History  # noqa: E402
@@ -170,8 +171,9 @@ def create_app(engine: ChatEngine, history: History, *, auth=None, api_key: str 
     app = fastapi.FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(create_api(engine, api_key=api_key, limits=limits))
     # Liveness for process managers and load balancers (vLLM and SGLang answer the same path); it
-    # says nothing about the chats, so it needs no key.
-    app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
+    # says nothing about the chats, so it needs no key. An engine that can no longer serve (a GPU
+    # fault) answers 503 with the reason, so a supervisor restarts it.
+    app.add_api_route("/health", lambda: _health(engine), methods=["GET"])
     demo = build_ui(engine, history, demo_note=demo_note, limits=limits)
     css = ASSETS / "style.css"
     return gr.mount_gradio_app(
@@ -181,6 +183,13 @@ def create_app(engine: ChatEngine, history: History, *, auth=None, api_key: str 
         theme=gr.themes.Default(primary_hue="indigo"), head=SHORTCUTS_JS,
         css_paths=[css] if css.exists() else None,
         favicon_path=str(ASSETS / "logo.svg") if (ASSETS / "logo.svg").exists() else None)
+
+
+def _health(engine: ChatEngine):
+    failure = engine.health() if callable(getattr(engine, "health", None)) else None
+    if failure:
+        return JSONResponse({"status": "failed", "error": failure}, status_code=503)
+    return {"status": "ok"}
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

@@ -20,6 +20,7 @@ import torch
 from ..spec import ModelSpec
 from .block_pool import BlockPool
 from .context_fit import fit_to_context
+from .failures import unrecoverable
 from .decode_graphs import DecodeGraphs
 from .kv_budget import plan_kv_blocks
 from .kv_cache import build_kv_cache
@@ -136,6 +137,7 @@ class Engine:
         self._format_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()  # Sequence, a callable for the engine thread, or None
         self._stopped = False
+        self._fatal: str | None = None  # why the engine cannot serve any more (health())
         self._worker = threading.Thread(target=self._run, name="localchat-engine", daemon=True)
         self._worker.start()
 
@@ -162,8 +164,8 @@ class Engine:
     def submit(self, request: ChatRequest) -> EngineStream:
         """Queues a request; returns its stream at once. Refusals arrive as a Final("error")."""
         stream = EngineStream(request)
-        if self._stopped:
-            stream.items.put(Final("error", 0, 0, Timings(), error="the engine has been shut down"))
+        if self._stopped or self._fatal:
+            stream.items.put(Final("error", 0, 0, Timings(), error=self._fatal or "the engine has been shut down"))
             return stream
         try:
             seq = self._sequence(stream)
@@ -200,6 +202,11 @@ class Engine:
             raise RuntimeError(f"warming up the engine failed ({type(failure[0]).__name__}: {failure[0]}); "
                                "start with CUDA graphs off to run decode steps eagerly") from failure[0]
         return time.perf_counter() - start
+
+    def health(self) -> str | None:
+        """None while the engine serves; after a failure it cannot recover from (engine/runtime/
+        failures.py), why and what to do. Every request is refused from then on."""
+        return self._fatal
 
     def counters(self) -> dict[str, int]:
         """Running totals for tests and benchmarks. The sliding_* figures are the sliding-window
@@ -306,6 +313,10 @@ class Engine:
                 log.exception("engine step failed")
                 for seq, _ in plan:
                     self._finish(seq, "error", f"{type(e).__name__}: {e}")
+                self._fatal = self._fatal or unrecoverable(e)
+                if self._fatal:  # every later step would fail the same way: end them all, refuse new ones
+                    for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                        self._finish(seq, "error", self._fatal)
         leftovers = [*self.scheduler.running, *self.scheduler.waiting]
         while not self._inbox.empty():
             leftovers.append(self._inbox.get_nowait())

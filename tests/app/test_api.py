@@ -140,9 +140,13 @@ def test_api_key_required_when_set(api):
 
 
 def test_health_answers_without_a_key(api):
-    _, _, srv = api
+    engine, _, srv = api
     r = httpx.get(srv.url + "health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+    # an engine that can no longer serve says why, so a supervisor restarts it
+    engine.health = lambda: "the GPU reported a fault the engine cannot recover from (...); restart localchat"
+    r = httpx.get(srv.url + "health")
+    assert r.status_code == 503 and r.json()["status"] == "failed" and "restart localchat" in r.json()["error"]
 
 
 def test_no_key_needed_on_loopback_without_key(history):

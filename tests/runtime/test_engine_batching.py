@@ -195,3 +195,32 @@ def test_a_chat_longer_than_the_context_goes_on_without_its_oldest_turns(oss):
     assert next_final.dropped_messages == final.dropped_messages
     assert engine.counters()["prefix_hit_tokens"] - before >= final.prompt_tokens // 4 * 4
     engine.shutdown()
+
+
+def test_a_gpu_fault_stops_the_engine_and_says_to_restart_but_running_out_of_memory_does_not(oss, monkeypatch):
+    import torch
+
+    engine = oss.engine(block_size=4)
+    run = engine.runner.run
+    failure = {"error": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")}
+
+    def failing(plan):
+        if failure["error"] is not None:
+            error, failure["error"] = failure["error"], None
+            raise error
+        return run(plan)
+
+    monkeypatch.setattr(engine.runner, "run", failing)
+    final = collect(engine.submit(chat(("user", QUESTIONS[0]))))[3]
+    assert final.finish_reason == "error" and "out of memory" in final.error
+    assert engine.health() is None  # one request lost; the engine goes on
+    assert collect(engine.submit(chat(("user", QUESTIONS[0]), max_tokens=3)))[3].finish_reason == "length"
+
+    failure["error"] = RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ...")
+    final = collect(engine.submit(chat(("user", QUESTIONS[1]))))[3]
+    assert final.finish_reason == "error"
+    assert "illegal memory access" in engine.health() and "restart localchat" in engine.health()
+    # from then on every request is refused at once with the reason, without running a step
+    refused = collect(engine.submit(chat(("user", QUESTIONS[2]))))[3]
+    assert refused.finish_reason == "error" and refused.error == engine.health() and refused.prompt_tokens == 0
+    engine.shutdown()
