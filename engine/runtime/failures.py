@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-# What torch's messages say for a lost CUDA context (cudaError names and their texts).
+# What torch's messages say for a lost CUDA context (the texts of CUDA's sticky errors, which every
+# later call in the process returns too).
 _GPU_FAULTS = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address",
-               "illegal instruction", "CUBLAS_STATUS_EXECUTION_FAILED", "uncorrectable ECC error",
-               "CUDA error: an illegal", "NCCL error")
+               "illegal instruction", "CUBLAS_STATUS_EXECUTION_FAILED", "uncorrectable ECC error", "NCCL error")
 
 
 def unrecoverable(error: BaseException) -> str | None:
@@ -27,8 +27,9 @@ def unrecoverable(error: BaseException) -> str | None:
     text = str(error)
     if "out of memory" in text:
         return None
-    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises this for CUDA errors
-    if (accelerator_error is not None and isinstance(error, accelerator_error)) or any(m in text for m in _GPU_FAULTS):
+    # Only the faults that stay with the context: a bad launch (invalid argument, too many
+    # resources) fails that call alone, whatever exception class carries it.
+    if any(m in text for m in _GPU_FAULTS):
         first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
         return (f"the GPU reported a fault the engine cannot recover from ({first}); restart localchat. "
                 "If it happens again, `nvidia-smi` and the system log (dmesg: Xid errors) say more")

@@ -224,3 +224,14 @@ def test_a_gpu_fault_stops_the_engine_and_says_to_restart_but_running_out_of_mem
     refused = collect(engine.submit(chat(("user", QUESTIONS[2]))))[3]
     assert refused.finish_reason == "error" and refused.error == engine.health() and refused.prompt_tokens == 0
     engine.shutdown()
+
+
+def test_only_faults_that_stay_with_the_gpu_context_are_unrecoverable():
+    from localchat.engine.parallel.group import WorkerFailed
+    from localchat.engine.runtime.failures import unrecoverable
+
+    assert unrecoverable(RuntimeError("CUDA error: device-side assert triggered"))
+    assert "rank 1" in unrecoverable(WorkerFailed("tensor-parallel rank 1 (GPU 1) exited unexpectedly"))
+    for passing in (RuntimeError("CUDA error: invalid argument"), RuntimeError("CUDA error: out of memory"),
+                    ValueError("temperature must be at least 0"), RuntimeError("")):
+        assert unrecoverable(passing) is None
