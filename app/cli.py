@@ -19,10 +19,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype of the unquantized parts (auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--max-context", type=int, default=None, help="cap the context length (tokens)")
     p.add_argument("--gpus", type=_gpu_list, default=None, metavar="0,1,...",
-                   help="the GPUs to split the model over (default: GPU 0, or GPUs 0..N-1 with --tp N)")
+                   help="the GPUs to split the model over (default: GPUs 0..N-1 with --tp N, else the fewest GPUs "
+                        "that hold the model and its context)")
     p.add_argument("--tp", type=int, default=None, metavar="N",
                    help="tensor-parallel size: one process per GPU, each holding 1/N of the model (default: the "
-                        "number of --gpus listed, else 1); with --device cpu, N CPU processes")
+                        "number of --gpus listed, else the fewest GPUs that hold the model and its context); with "
+                        "--device cpu, N CPU processes")
     p.add_argument("--ep", action="store_true",
                    help="expert parallel: split the MoE experts whole over the --tp ranks instead of slicing each one")
     p.add_argument("--quantize", default=None, choices=["fp8"],
@@ -181,6 +183,8 @@ def _check_fits(args, plan_for) -> None:
     gpus = [] if args.device == "cpu" else local_gpus()
     if not gpus:
         return
+    if args.tp is None and not args.gpus and len(gpus) > 1:
+        _split_as_planned(args, plan_for(gpus))
     tp = _tp(args)
     wanted = (args.gpus or list(range(tp)))[:tp]
     chosen = [g for g in gpus if g.index in wanted]
@@ -197,10 +201,23 @@ def _check_fits(args, plan_for) -> None:
         elif result.chosen is not None:
             result.verdict = "fits_reduced"
     if result.chosen is None:
-        raise UserError(f"{args.model} does not fit {where}: {result.summary()}")
+        more = (f" (this machine has {len(gpus)} GPUs: --tp {len(gpus)} splits the model over them)"
+                if len(gpus) > tp else "")
+        raise UserError(f"{args.model} does not fit {where}: {result.summary()}{more}")
     if result.verdict == "fits_reduced" and args.max_context is None:
         args.max_context = result.chosen.max_context
         print(f"localchat: context limited to {args.max_context} tokens to fit GPU memory", file=sys.stderr)
+
+
+def _split_as_planned(args, result) -> None:
+    """With several GPUs and no --tp or --gpus: the planner's split, where the model and its context
+    need more than one GPU."""
+    if result.chosen is None or result.chosen.tp == 1 or result.verdict == "unsupported":
+        return
+    args.tp, args.gpus = result.chosen.tp, sorted(result.chosen.gpu_indices)
+    listed = ",".join(map(str, args.gpus))
+    print(f"localchat: {args.model} is split over GPUs {listed} (tensor parallel), the fewest that hold it and "
+          f"its context; --gpus picks others", file=sys.stderr)
 
 
 def _check_checkpoint_fits(args, model_dir: Path) -> None:

@@ -173,3 +173,23 @@ def test_run_quantizes_a_bf16_checkpoint_to_fp8_while_loading():
     # a registry model, before anything is downloaded
     registry = run_cli("run", "gpt-oss-20b", "--prompt", "Hello", "--quantize", "fp8")
     assert registry.returncode != 0 and "gpt-oss-20b is mxfp4 already" in registry.stderr
+
+
+def test_a_model_that_needs_several_gpus_is_split_over_them_unless_told_otherwise(monkeypatch, capsys):
+    # two 80 GB GPUs: GLM-4.5V-FP8 (102 GiB of weights) needs both, gpt-oss-20b one
+    from localchat.app.cli import UserError, _default_model, _refuse_unrunnable, build_parser
+    from localchat.engine import planner
+    h100 = [planner.GpuInfo("NVIDIA H100 80GB HBM3", 80 << 30, 79 << 30, i, (9, 0)) for i in range(2)]
+    monkeypatch.setattr(planner, "local_gpus", lambda: h100)
+    args = build_parser().parse_args([])
+    args.model = _default_model()
+    _refuse_unrunnable(args)  # the planner's pick runs where it was planned, not refused for GPU 0 alone
+    assert (args.model, args.tp, args.gpus) == ("glm-4.5v-fp8", 2, [0, 1])
+    assert "split over GPUs 0,1" in capsys.readouterr().err
+    small = build_parser().parse_args(["--model", "gpt-oss-20b"])
+    _refuse_unrunnable(small)
+    assert (small.tp, small.gpus) == (None, None)
+    # a GPU the user chose stays the choice, and the refusal says how to use both
+    pinned = build_parser().parse_args(["--model", "glm-4.5v-fp8", "--gpus", "1"])
+    with pytest.raises(UserError, match=r"does not fit GPU 1: .*this machine has 2 GPUs: --tp 2 splits"):
+        _refuse_unrunnable(pinned)
