@@ -184,7 +184,7 @@ def _check_fits(args, plan_for) -> None:
     if not gpus:
         return
     if args.tp is None and not args.gpus and len(gpus) > 1:
-        _split_as_planned(args, plan_for(gpus))
+        _place_as_planned(args, plan_for(gpus), plan_for([g for g in gpus if g.index == 0]))
     tp = _tp(args)
     wanted = (args.gpus or list(range(tp)))[:tp]
     chosen = [g for g in gpus if g.index in wanted]
@@ -209,15 +209,23 @@ def _check_fits(args, plan_for) -> None:
         print(f"localchat: context limited to {args.max_context} tokens to fit GPU memory", file=sys.stderr)
 
 
-def _split_as_planned(args, result) -> None:
-    """With several GPUs and no --tp or --gpus: the planner's split, where the model and its context
-    need more than one GPU."""
-    if result.chosen is None or result.chosen.tp == 1 or result.verdict == "unsupported":
+def _place_as_planned(args, result, on_first) -> None:
+    """With several GPUs and no --tp or --gpus: the planner's split where the model and its context
+    need more than one GPU, and its GPU (the one with the most free memory) where one holds them
+    but GPU 0, the default, holds less (another model may be using it). result / on_first: the
+    plans over every GPU and over GPU 0 alone."""
+    chosen = result.chosen
+    if chosen is None or result.verdict == "unsupported":
         return
-    args.tp, args.gpus = result.chosen.tp, sorted(result.chosen.gpu_indices)
-    listed = ",".join(map(str, args.gpus))
-    print(f"localchat: {args.model} is split over GPUs {listed} (tensor parallel), the fewest that hold it and "
-          f"its context; --gpus picks others", file=sys.stderr)
+    if chosen.tp > 1:
+        args.tp, args.gpus = chosen.tp, sorted(chosen.gpu_indices)
+        listed = ",".join(map(str, args.gpus))
+        print(f"localchat: {args.model} is split over GPUs {listed} (tensor parallel), the fewest that hold it and "
+              f"its context; --gpus picks others", file=sys.stderr)
+    elif chosen.gpu_indices[0] != 0 and (on_first.chosen is None or on_first.chosen.max_context < chosen.max_context):
+        args.gpus = [chosen.gpu_indices[0]]
+        print(f"localchat: {args.model} goes on GPU {args.gpus[0]}, which has the most free memory; --gpus picks "
+              "another", file=sys.stderr)
 
 
 def _check_checkpoint_fits(args, model_dir: Path) -> None:

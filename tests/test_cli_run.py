@@ -189,6 +189,13 @@ def test_a_model_that_needs_several_gpus_is_split_over_them_unless_told_otherwis
     small = build_parser().parse_args(["--model", "gpt-oss-20b"])
     _refuse_unrunnable(small)
     assert (small.tp, small.gpus) == (None, None)
+    # GPU 0 taken (another model on it): one that fits a single GPU goes where there is room
+    busy = [planner.GpuInfo("NVIDIA H100 80GB HBM3", 80 << 30, 5 << 30, 0, (9, 0)), h100[1]]
+    monkeypatch.setattr(planner, "local_gpus", lambda: busy)
+    moved = build_parser().parse_args(["--model", "gpt-oss-20b"])
+    _refuse_unrunnable(moved)
+    assert (moved.tp, moved.gpus) == (None, [1]) and "goes on GPU 1" in capsys.readouterr().err
+    monkeypatch.setattr(planner, "local_gpus", lambda: h100)
     # a GPU the user chose stays the choice, and the refusal says how to use both
     pinned = build_parser().parse_args(["--model", "glm-4.5v-fp8", "--gpus", "1"])
     with pytest.raises(UserError, match=r"does not fit GPU 1: .*this machine has 2 GPUs: --tp 2 splits"):
