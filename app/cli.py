@@ -275,7 +275,7 @@ def _start_behind_page(args, sock, url: str):
     from .ui import is_loopback
 
     status = StartupStatus(args.model, show_errors=is_loopback(args.host))
-    page = StartupServer(status, sock).start()
+    page = StartupServer(status, sock, api_key=args.api_key).start()
     print(f"localchat: page {url} (it shows the progress until {args.model} is ready)", file=sys.stderr)
     if not args.no_browser:
         webbrowser.open(url)

@@ -13,6 +13,7 @@ are answered by the chat page's server.
 """
 from __future__ import annotations
 
+import hmac
 import html
 import json
 import socket
@@ -101,8 +102,9 @@ class StartupStatus:
             self._read_after_failure.wait(grace_s)
 
 
-def create_startup_app(status: StartupStatus) -> fastapi.FastAPI:
-    """/ the progress page, /startup its JSON, /health and /v1/... 503 until the model is ready."""
+def create_startup_app(status: StartupStatus, api_key: str | None = None) -> fastapi.FastAPI:
+    """/ the progress page, /startup its JSON, /health and /v1/... 503 until the model is ready
+    (with `api_key`, /v1 wants it already, as the API will)."""
     app = fastapi.FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
     def not_ready(state: StartupState) -> str:
@@ -125,8 +127,13 @@ def create_startup_app(status: StartupStatus) -> fastapi.FastAPI:
                              "fraction": state.fraction}, status_code=503, headers={"Retry-After": "5"})
 
     @app.api_route("/v1/{rest:path}", methods=["GET", "POST"])
-    def api(rest: str):
+    def api(rest: str, request: fastapi.Request):
         # the error shape OpenAI clients parse, so they print the reason
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if api_key is not None and not (scheme.lower() == "bearer" and
+                                        hmac.compare_digest(given.strip().encode(), api_key.encode())):
+            return JSONResponse({"error": {"message": "Missing or wrong API key.", "type": "invalid_request_error",
+                                           "param": None, "code": "invalid_api_key"}}, status_code=401)
         return JSONResponse({"error": {"message": not_ready(status.state()), "type": "service_unavailable",
                                        "param": None, "code": "model_loading"}},
                             status_code=503, headers={"Retry-After": "5"})
@@ -189,13 +196,13 @@ poll();
 class StartupServer:
     """The startup page's uvicorn server, on a duplicate of `sock`, in a background thread."""
 
-    def __init__(self, status: StartupStatus, sock: socket.socket):
+    def __init__(self, status: StartupStatus, sock: socket.socket, api_key: str | None = None):
         import uvicorn
 
         self.status = status
         # graceful shutdown waits this long for open connections (a page's poll takes milliseconds)
-        config = uvicorn.Config(create_startup_app(status), log_level="warning", timeout_graceful_shutdown=1,
-                                lifespan="off")
+        config = uvicorn.Config(create_startup_app(status, api_key), log_level="warning",
+                                timeout_graceful_shutdown=1, lifespan="off")
         self._server = uvicorn.Server(config)
         self._sock = sock.dup()
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},

@@ -52,6 +52,12 @@ def test_the_page_says_how_far_the_start_got_and_the_api_says_not_ready():
     assert client.get("/startup").json()["error"] == "the GPU is out of memory: pass --max-context 16384"
 
 
+def test_the_api_wants_its_key_while_loading_too():
+    client = TestClient(create_startup_app(StartupStatus("m"), api_key="sk-1"))
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer sk-1"}).status_code == 503
+
+
 def test_a_page_other_machines_reach_does_not_show_the_reason():
     status = StartupStatus("m", show_errors=False)
     status.failed("cannot read /home/alice/.cache/huggingface/hub/models--x/model.safetensors")
