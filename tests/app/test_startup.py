@@ -199,3 +199,46 @@ def test_a_failed_start_is_shown_on_the_page_and_in_the_exit_code(monkeypatch, c
     assert errors and "hf auth login" in errors[0]
     assert result["rc"] == 1 and "browser" not in seen and "engine" not in seen
     assert "hf auth login" in capsys.readouterr().err
+
+
+def test_localchat_serves_the_demo_from_its_own_process(tmp_path):
+    # the real command: the startup page first, then the chat page and the API on the same port,
+    # and Ctrl+C (SIGINT) ends it cleanly
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = shutil.which("localchat", path=str(Path(sys.executable).parent)) or shutil.which("localchat")
+    port = free_port()
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), XDG_DATA_HOME=str(tmp_path / "data"),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    proc = subprocess.Popen([script, "--model", "demo", "--port", str(port), "--no-browser", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        seen = set()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                health = httpx.get(url + "health", timeout=2)
+            except httpx.TransportError:
+                time.sleep(0.05)
+                continue
+            seen.add(health.status_code)
+            if health.status_code == 200:
+                break
+            time.sleep(0.02)
+        assert 200 in seen, "the chat page never came up"
+        answer = httpx.post(url + "v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).json()
+        assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+        assert httpx.get(url + "startup", timeout=5).status_code == 404  # the startup page is gone
+        assert httpx.get(url, timeout=10).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode in (0, 130), err
+    assert "Traceback" not in err and f"page {url}" in err + out
