@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .defaults import ANSWER_TOKENS
@@ -423,13 +425,42 @@ def cmd_serve(args) -> int:
             args.model = _default_model()
             print(f"localchat: using {args.model} (pass --model to choose)", file=sys.stderr)
         _refuse_unrunnable(args)  # before the page opens: a refusal needs no browser
-        engine = _start_behind_page(args, sock, page_url(args.host, sock))
     auth = tuple(args.auth.split(":", 1)) if args.auth else None
     note = DEMO_NOTE if args.model == DEMO_NAME and not args.backend else None
-    # the startup page already opened the browser where a model loaded here
-    serve(engine, host=args.host, port=args.port, auth=auth, api_key=args.api_key,
-          open_browser=not args.no_browser and bool(args.backend), demo_note=note, sock=sock)
+    with _Interrupts() as interrupts:
+        if not args.backend:
+            engine = _start_behind_page(args, sock, page_url(args.host, sock))
+        # the startup page already opened the browser where a model loaded here
+        serve(engine, host=args.host, port=args.port, auth=auth, api_key=args.api_key,
+              open_browser=not args.no_browser and bool(args.backend), demo_note=note, sock=sock,
+              stop_requested=lambda: interrupts.seen)
+    if interrupts.seen:
+        raise KeyboardInterrupt
     return 0
+
+
+class _Interrupts:
+    """Ctrl+C while localchat starts: raised as KeyboardInterrupt as usual, and remembered too,
+    because Python drops an exception raised inside a finalizer (an event loop collected on the
+    main thread, say), which would lose the Ctrl+C and start the chat page anyway. The chat page's
+    server takes SIGINT over once it runs."""
+
+    def __init__(self):
+        self.seen = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -223,9 +223,10 @@ def page_url(host: str, sock: socket.socket) -> str:
 
 def serve(engine: ChatEngine, *, history: History | None = None, host: str = "127.0.0.1", port: int = 7860,
           auth=None, api_key: str | None = None, open_browser: bool = True, demo_note: str | None = None,
-          sock: socket.socket | None = None) -> None:
+          sock: socket.socket | None = None, stop_requested=None) -> None:
     """Run the page and /v1 until interrupted. Beyond loopback both `auth` and `api_key` are required.
-    sock: bind_listener(host, port) made earlier (else bound here)."""
+    sock: bind_listener(host, port) made earlier (else bound here). stop_requested() -> True: a
+    Ctrl+C came while the page was being built; the server does not start."""
     import uvicorn
 
     if not is_loopback(host) and (not auth or not api_key):
@@ -235,7 +236,9 @@ def serve(engine: ChatEngine, *, history: History | None = None, host: str = "12
     sock = sock or bind_listener(host, port)
     port = sock.getsockname()[1]  # the one the system chose for --port 0
     url = page_url(host, sock)
-    print(f"localchat: page {url}  API {url}v1  (Ctrl+C stops)")
+    print(f"localchat: page {url}  API {url}v1  (Ctrl+C stops)", flush=True)
     if open_browser:
         threading.Timer(1.5, webbrowser.open, args=(url,)).start()
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[sock])
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    if stop_requested is None or not stop_requested():
+        server.run(sockets=[sock])

@@ -242,3 +242,27 @@ def test_localchat_serves_the_demo_from_its_own_process(tmp_path):
         out, err = proc.communicate(timeout=30)
     assert proc.returncode in (0, 130), err
     assert "Traceback" not in err and f"page {url}" in err + out
+
+
+def test_a_ctrl_c_that_python_dropped_still_stops_localchat(monkeypatch):
+    # a KeyboardInterrupt raised inside a finalizer is printed and dropped by Python; the Ctrl+C
+    # must still stop localchat instead of starting the chat page
+    import os
+    import signal
+
+    from localchat.app import cli, ui
+
+    def swallowed_interrupt(args, sock, url):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here
+        except KeyboardInterrupt:
+            pass  # what a finalizer does with it
+        return types.SimpleNamespace(device=torch.device("cpu"))
+
+    seen = {}
+    monkeypatch.setattr(cli, "_start_behind_page", swallowed_interrupt)
+    monkeypatch.setattr(ui, "serve", lambda engine, **kw: seen.update(stopped=kw["stop_requested"]()))
+    assert cli.main(["--model", "some/model", "--port", str(free_port()), "--no-browser"]) == 130
+    assert seen["stopped"] is True
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
