@@ -6,7 +6,9 @@ SSE `data:` lines of `chat.completion.chunk` objects ending in `data: [DONE]`; w
 `stream_options.include_usage` a last chunk with empty `choices` carries `usage`. Reasoning
 arrives as `delta.reasoning_content` (vLLM's reasoning parsers, SGLang, localchat) or
 `delta.reasoning` (newer vLLM). top_k, min_p, repetition_penalty and `chat_template_kwargs`
-are extra body fields both vLLM and SGLang accept.
+are extra body fields both vLLM and SGLang accept. Tools, tool calls and tool results are forwarded;
+the calls streamed back (id and name once, the arguments in pieces, by index) are handed on whole
+when the answer ends.
 """
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ from urllib.parse import urlsplit
 import httpx
 
 from ..engine.runtime.request import (
-    ChatRequest, Delta, Final, ImagePart, Message, ModelInfo, StreamItem, TextPart, Timings,
+    ChatRequest, Delta, Final, ImagePart, Message, ModelInfo, StreamItem, TextPart, Timings, ToolCall,
 )
 from ..engine.spec import SamplingDefaults
+from .api_tools import tool_call_json
 
 DEFAULT_CONTEXT = 32768  # used when the server does not say (OpenAI's model card has no such field)
 _CONTEXT_KEYS = ("max_model_len", "context_length", "max_context_length", "context_window")
@@ -104,6 +107,8 @@ class RemoteEngine:
             body["frequency_penalty"] = sp.frequency_penalty
         if sp.repetition_penalty != 1.0:
             body["repetition_penalty"] = sp.repetition_penalty
+        if request.tools:
+            body["tools"] = list(request.tools)
         return body
 
 
@@ -147,6 +152,7 @@ class RemoteStream:
         usage: dict = {}
         finish = "stop"
         pieces = 0
+        calls: dict[int, dict] = {}  # streamed tool calls by index: id, name, argument fragments
         try:
             with httpx.Client(timeout=timeout) as client, client.stream("POST", url, json=body, headers=headers) as r:
                 self._response = r
@@ -181,8 +187,10 @@ class RemoteStream:
                             first = first or last
                             pieces += 1
                             self._items.put(Delta(text=text, reasoning=reasoning))
+                        _gather_tool_calls(calls, d.get("tool_calls"))
                         if choice.get("finish_reason"):
-                            finish = "length" if choice["finish_reason"] == "length" else "stop"
+                            reason = choice["finish_reason"]
+                            finish = reason if reason in ("length", "tool_calls") else "stop"
         except Exception as e:  # network failure, or our own close() cutting the read
             if not self._aborted.is_set():
                 self._finish(Final("error", 0, 0, Timings(), error=f"the backend {server} failed: "
@@ -190,6 +198,11 @@ class RemoteStream:
             return
         if self._aborted.is_set():
             return
+        if calls:  # whole, once the stream ended: their arguments may come in fragments
+            self._items.put(Delta(tool_calls=tuple(
+                ToolCall(c["id"] or f"call_{i}", c["name"], "".join(c["arguments"]) or "{}")
+                for i, c in sorted(calls.items()))))
+            finish = "tool_calls" if finish == "stop" else finish
         end = time.perf_counter()
         completion = int(usage.get("completion_tokens") or pieces)
         decode = (last - first) if first is not None else 0.0
@@ -237,6 +250,20 @@ def _count(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def _gather_tool_calls(calls: dict[int, dict], deltas: object) -> None:
+    """Adds one chunk's delta.tool_calls to `calls`: OpenAI streams a call's id and name once and its
+    arguments in pieces, all under the call's index."""
+    for n, d in enumerate(deltas if isinstance(deltas, list) else []):
+        if not isinstance(d, dict):
+            continue
+        call = calls.setdefault(d.get("index", n), {"id": None, "name": "", "arguments": []})
+        fn = d.get("function") or {}
+        call["id"] = d.get("id") or call["id"]
+        call["name"] = fn.get("name") or call["name"]
+        if isinstance(fn.get("arguments"), str):
+            call["arguments"].append(fn["arguments"])
+
+
 def _wire_message(m: Message) -> dict:
     if all(isinstance(p, TextPart) for p in m.content):
         content: object = "".join(p.text for p in m.content)
@@ -246,6 +273,10 @@ def _wire_message(m: Message) -> dict:
     out = {"role": m.role, "content": content}
     if m.role == "assistant" and m.reasoning:
         out["reasoning_content"] = m.reasoning
+    if m.tool_calls:
+        out["tool_calls"] = [tool_call_json(c) for c in m.tool_calls]
+    if m.role == "tool":
+        out["tool_call_id"] = m.tool_call_id
     return out
 
 

@@ -159,3 +159,35 @@ def test_serve_with_backend_loads_no_model(server, monkeypatch):
     assert isinstance(seen["engine"], RemoteEngine) and seen["engine"].info().name == "fake-glm"
     assert seen["demo_note"] is None and seen["api_key"] is None
     assert cli.main(["--backend", url, "--no-browser"]) == 1  # the server wants a key: one line, no serve
+
+
+def test_tools_go_to_the_backend_and_its_calls_come_back(history):
+    from localchat.engine.runtime.request import ToolCall
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    calls = (ToolCall("call_1", "get_weather", '{"city": "Paris"}'), ToolCall("call_2", "get_weather", "{}"))
+    engine = FakeEngine(delay=0.002, calls=calls)
+    with LiveServer(create_app(engine, history)) as srv:
+        remote = RemoteEngine(srv.url + "v1")
+        items = list(remote.submit(ChatRequest((Message.text("user", "Weather?"),), tools=(weather,))))
+        got = [c for i in items if isinstance(i, Delta) for c in i.tool_calls]
+        assert got == list(calls) and items[-1].finish_reason == "tool_calls"
+        assert engine.requests[-1].tools == (weather,)
+        # the calls and their results go back to the backend as they were
+        follow = (Message.text("user", "Weather?"), Message("assistant", (), tool_calls=calls),
+                  Message("tool", (TextPart("sun"),), tool_call_id="call_1"))
+        list(remote.submit(ChatRequest(follow, tools=(weather,))))
+        sent = engine.requests[-1].messages
+        assert sent[1].tool_calls == calls and (sent[2].role, sent[2].tool_call_id) == ("tool", "call_1")
+
+
+def test_streamed_tool_call_fragments_are_joined_by_index():
+    from localchat.app.remote import _gather_tool_calls
+
+    calls = {}
+    for chunk in ([{"index": 0, "id": "a", "function": {"name": "f", "arguments": ""}}],
+                  [{"index": 0, "function": {"arguments": '{"x": '}}], [{"index": 1, "id": "b", "function": {"name": "g"}}],
+                  [{"index": 0, "function": {"arguments": "1}"}}]):
+        _gather_tool_calls(calls, chunk)
+    assert [(c["id"], c["name"], "".join(c["arguments"])) for _, c in sorted(calls.items())] == \
+        [("a", "f", '{"x": 1}'), ("b", "g", "")]
