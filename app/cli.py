@@ -154,6 +154,7 @@ def _model_dir(args) -> Path:
 def _refuse_unrunnable(args) -> None:
     """A registry model is planned against the GPUs from its known sizes, so one that cannot run on
     them is refused before its download."""
+    from ..engine.planner import local_gpus
     from ..engine.registry import REGISTRY
     from .demo import DEMO_NAME
 
@@ -163,6 +164,12 @@ def _refuse_unrunnable(args) -> None:
     if args.quantize and entry.format != "bf16":
         raise UserError(f"--quantize {args.quantize} converts bf16 checkpoints; {args.model} is {entry.format} "
                         "already: run it without --quantize")
+    if args.device != "cpu" and not local_gpus():
+        # CPU is the reference path (tests, tiny models): refused before a download of many GB
+        raise UserError(f"{args.model} needs a CUDA GPU ({entry.plan([], quantize=args.quantize).summary()}). "
+                        "`localchat doctor` says what it "
+                        "sees; `--device cpu` runs it on the CPU anyway, very slowly and in several times its "
+                        "size of memory; `localchat --model demo` tries the app without a GPU")
     _check_fits(args, lambda gpus: entry.plan(gpus, max_context=args.max_context, quantize=args.quantize))
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fixtures import open_fixture
 from test_parity import engine, image, oracle_greedy, request
@@ -200,3 +201,10 @@ def test_a_model_that_needs_several_gpus_is_split_over_them_unless_told_otherwis
     pinned = build_parser().parse_args(["--model", "glm-4.5v-fp8", "--gpus", "1"])
     with pytest.raises(UserError, match=r"does not fit GPU 1: .*this machine has 2 GPUs: --tp 2 splits"):
         _refuse_unrunnable(pinned)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the model would be downloaded")
+def test_a_registry_model_without_a_gpu_is_refused_before_its_download(tmp_path):
+    out = run_cli("run", "gpt-oss-120b", "--prompt", "Hello", timeout=60)
+    assert out.returncode == 2 and "gpt-oss-120b needs a CUDA GPU" in out.stderr and "--device cpu" in out.stderr
+    assert "Traceback" not in out.stderr and "Fetching" not in out.stderr
