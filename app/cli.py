@@ -9,21 +9,19 @@ import threading
 from pathlib import Path
 
 from .defaults import ANSWER_TOKENS
-
-
-class UserError(Exception):
-    """A problem the user can fix; printed as one line, exit status 2."""
+from .errors import UserError
+from .placement import check_checkpoint_fits, default_model, refuse_unrunnable, tp_size
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="compute dtype of the unquantized parts (auto: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--max-context", type=int, default=None, help="cap the context length (tokens)")
+    p.add_argument("--max-context", type=_within(int, 1), default=None, help="cap the context length (tokens)")
     p.add_argument("--gpus", type=_gpu_list, default=None, metavar="0,1,...",
                    help="the GPUs to split the model over (default: GPUs 0..N-1 with --tp N, else the fewest GPUs "
                         "that hold the model and its context)")
-    p.add_argument("--tp", type=int, default=None, metavar="N",
+    p.add_argument("--tp", type=_within(int, 1), default=None, metavar="N",
                    help="tensor-parallel size: one process per GPU, each holding 1/N of the model (default: the "
                         "number of --gpus listed, else the fewest GPUs that hold the model and its context); with "
                         "--device cpu, N CPU processes")
@@ -44,8 +42,18 @@ def _gpu_list(text: str) -> list[int]:
     return gpus
 
 
-def _tp(args) -> int:
-    return args.tp or (len(args.gpus) if args.gpus else 1)
+def _within(kind, low, high=None, *, above_low=False):
+    """An argparse type: `kind` parsed, then held to [low, high] ((low, high] with above_low)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
+        if value < low or (above_low and value == low) or (high is not None and value > high):
+            bounds = f"{'above' if above_low else 'at least'} {low:g}" + (f" and at most {high:g}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"must be {bounds} (got {text})")
+        return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend-key", default=None, metavar="KEY", help="bearer key the --backend server wants")
     parser.add_argument("--host", "--listen", dest="host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1; any other needs --auth and --api-key)")
-    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--port", type=_within(int, 0, 65535), default=7860)
     parser.add_argument("--auth", default=None, metavar="USER:PASSWORD", help="required to listen beyond localhost")
     parser.add_argument("--api-key", default=None, help="bearer key for /v1; required to listen beyond localhost")
     parser.add_argument("--no-browser", action="store_true", help="do not open the page in a browser")
@@ -82,12 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--image", action="append", default=[], metavar="PATH",
                      help="an image to ask about (repeat for several; they come before the text, in order)")
     run.add_argument("--system", default=None, help="a system prompt")
-    run.add_argument("--max-tokens", type=int, default=ANSWER_TOKENS,
+    run.add_argument("--max-tokens", type=_within(int, 1), default=ANSWER_TOKENS,
                      help=f"the most answer tokens, reasoning included (default {ANSWER_TOKENS}, capped by the context)")
-    run.add_argument("--temperature", type=float, default=None,
+    run.add_argument("--temperature", type=_within(float, 0.0), default=None,
                      help="0 for greedy (default: the checkpoint's generation_config, else 1.0)")
-    run.add_argument("--top-p", type=float, default=None)
-    run.add_argument("--top-k", type=int, default=None)
+    run.add_argument("--top-p", type=_within(float, 0.0, 1.0, above_low=True), default=None)
+    run.add_argument("--top-k", type=_within(int, 0), default=None, help="0: off")
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--no-thinking", action="store_true", help="GLM: answer without a thinking phase")
     run.add_argument("--reasoning-effort", default="medium", choices=["low", "medium", "high"], help="gpt-oss")
@@ -146,31 +154,9 @@ def _request(args, model_dir: Path):
 
 def _model_dir(args) -> Path:
     """A local checkpoint directory for MODEL, downloading it on first use ("demo": built on first use),
-    after _refuse_unrunnable."""
-    _refuse_unrunnable(args)
+    after refuse_unrunnable (app/placement.py)."""
+    refuse_unrunnable(args)
     return _local_checkpoint(args)
-
-
-def _refuse_unrunnable(args) -> None:
-    """A registry model is planned against the GPUs from its known sizes, so one that cannot run on
-    them is refused before its download."""
-    from ..engine.planner import local_gpus
-    from ..engine.registry import REGISTRY
-    from .demo import DEMO_NAME
-
-    entry = REGISTRY.get(args.model)
-    if args.model == DEMO_NAME or entry is None or Path(args.model).is_dir():
-        return
-    if args.quantize and entry.format != "bf16":
-        raise UserError(f"--quantize {args.quantize} converts bf16 checkpoints; {args.model} is {entry.format} "
-                        "already: run it without --quantize")
-    if args.device != "cpu" and not local_gpus():
-        # CPU is the reference path (tests, tiny models): refused before a download of many GB
-        raise UserError(f"{args.model} needs a CUDA GPU ({entry.plan([], quantize=args.quantize).summary()}). "
-                        "`localchat doctor` says what it "
-                        "sees; `--device cpu` runs it on the CPU anyway, very slowly and in several times its "
-                        "size of memory; `localchat --model demo` tries the app without a GPU")
-    _check_fits(args, lambda gpus: entry.plan(gpus, max_context=args.max_context, quantize=args.quantize))
 
 
 def _local_checkpoint(args, on_download=None) -> Path:
@@ -184,70 +170,6 @@ def _local_checkpoint(args, on_download=None) -> Path:
     return Path(ensure_local(args.model, offline=args.offline or None, on_progress=on_download))
 
 
-def _check_fits(args, plan_for) -> None:
-    """Refuses early, with advice, what would otherwise end in a CUDA out-of-memory error or a
-    kernel the GPU cannot run. plan_for(gpus) -> the planner's Plan for those GPUs."""
-    from ..engine.planner import MIN_CONTEXT, local_gpus
-
-    gpus = [] if args.device == "cpu" else local_gpus()
-    if not gpus:
-        return
-    if args.tp is None and not args.gpus and len(gpus) > 1:
-        _place_as_planned(args, plan_for(gpus), plan_for([g for g in gpus if g.index == 0]))
-    tp = _tp(args)
-    wanted = (args.gpus or list(range(tp)))[:tp]
-    chosen = [g for g in gpus if g.index in wanted]
-    if len(chosen) < tp:
-        return  # the engine names the missing GPU
-    result = plan_for(chosen)
-    where = f"GPU {chosen[0].index}" if tp == 1 else f"GPUs {','.join(str(g.index) for g in chosen)}"
-    if result.verdict == "unsupported":
-        raise UserError(f"{args.model} cannot run on {where}: {result.summary()}")
-    if tp > 1:  # the split the user asked for, not the planner's pick
-        result.chosen = next((o for o in result.options if o.tp == tp and o.max_context >= MIN_CONTEXT), None)
-        if result.chosen is not None and result.chosen.max_context >= result.want_context:
-            result.verdict = "fits"
-        elif result.chosen is not None:
-            result.verdict = "fits_reduced"
-    if result.chosen is None:
-        more = (f" (this machine has {len(gpus)} GPUs: --tp {len(gpus)} splits the model over them)"
-                if len(gpus) > tp else "")
-        raise UserError(f"{args.model} does not fit {where}: {result.summary()}{more}")
-    if result.verdict == "fits_reduced" and args.max_context is None:
-        args.max_context = result.chosen.max_context
-        print(f"localchat: context limited to {args.max_context} tokens to fit GPU memory", file=sys.stderr)
-
-
-def _place_as_planned(args, result, on_first) -> None:
-    """With several GPUs and no --tp or --gpus: the planner's split where the model and its context
-    need more than one GPU, and its GPU (the one with the most free memory) where one holds them
-    but GPU 0, the default, holds less (another model may be using it). result / on_first: the
-    plans over every GPU and over GPU 0 alone."""
-    chosen = result.chosen
-    if chosen is None or result.verdict == "unsupported":
-        return
-    if chosen.tp > 1:
-        args.tp, args.gpus = chosen.tp, sorted(chosen.gpu_indices)
-        listed = ",".join(map(str, args.gpus))
-        print(f"localchat: {args.model} is split over GPUs {listed} (tensor parallel), the fewest that hold it and "
-              f"its context; --gpus picks others", file=sys.stderr)
-    elif chosen.gpu_indices[0] != 0 and (on_first.chosen is None or on_first.chosen.max_context < chosen.max_context):
-        args.gpus = [chosen.gpu_indices[0]]
-        print(f"localchat: {args.model} goes on GPU {args.gpus[0]}, which has the most free memory; --gpus picks "
-              "another", file=sys.stderr)
-
-
-def _check_checkpoint_fits(args, model_dir: Path) -> None:
-    """_check_fits with the checkpoint's own sizes and format."""
-    from ..engine.planner import checkpoint_weight_bytes, plan
-    from ..engine.spec import ModelSpec
-
-    spec = ModelSpec.from_dir(model_dir)
-    weights = checkpoint_weight_bytes(model_dir)
-    _check_fits(args, lambda gpus: plan(spec, weights, gpus, max_context=args.max_context, quantize=args.quantize,
-                                        fp8=spec.quant.method == "fp8"))
-
-
 def _print_progress(done: int, total: int, file: str) -> None:
     print(f"\rloading {Path(file).name}: {done / max(total, 1):6.1%}", end="", file=sys.stderr, flush=True)
 
@@ -257,7 +179,7 @@ def _load_engine(args, model_dir: Path, on_load=None):
     the terminal's progress line."""
     from ..engine.runtime.engine import Engine
 
-    _check_checkpoint_fits(args, model_dir)
+    check_checkpoint_fits(args, model_dir)
     terminal = sys.stderr.isatty() and not getattr(args, "json", False)
     callbacks = [f for f in (_print_progress if terminal else None, on_load) if f is not None]
 
@@ -266,7 +188,7 @@ def _load_engine(args, model_dir: Path, on_load=None):
             f(done, total, file)
 
     engine = Engine(model_dir, device=args.device, dtype=args.dtype, max_context=args.max_context,
-                    on_progress=progress if callbacks else None, name=args.model, tp=_tp(args), ep=args.ep,
+                    on_progress=progress if callbacks else None, name=args.model, tp=tp_size(args), ep=args.ep,
                     gpus=args.gpus, quantize=args.quantize)
     if terminal:
         print(file=sys.stderr)
@@ -392,26 +314,6 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _default_model() -> str:
-    """The planner's pick for the local GPUs: GLM-4.5V-FP8 where it fits, else the best that fits."""
-    from ..engine.planner import local_gpus
-    from ..engine.registry import REGISTRY
-
-    gpus = local_gpus()
-    if not gpus:
-        raise UserError("no CUDA GPU is visible, and the supported models need one; `localchat --model demo` "
-                        "tries the app on the CPU with a tiny built-in model, --model DIR --device cpu runs a small "
-                        "local checkpoint; or check the NVIDIA driver (`localchat doctor`)")
-    for name in ("glm-4.5v-fp8", "gpt-oss-120b", "gpt-oss-20b"):
-        if REGISTRY[name].plan(gpus).chosen is not None:
-            return name
-    smallest = REGISTRY["gpt-oss-20b"].plan(gpus)
-    if smallest.verdict == "unsupported":
-        raise UserError(smallest.summary())
-    raise UserError("none of the supported models fits the free memory of this machine's GPUs; "
-                    "`localchat doctor` shows what each needs")
-
-
 def cmd_serve(args) -> int:
     from .demo import DEMO_NAME, DEMO_NOTE
     from .ui import bind_listener, is_loopback, page_url, serve
@@ -429,9 +331,9 @@ def cmd_serve(args) -> int:
         print(f"localchat: chatting with {info.name} at {engine.base_url}", file=sys.stderr)
     else:
         if args.model is None:
-            args.model = _default_model()
+            args.model = default_model()
             print(f"localchat: using {args.model} (pass --model to choose)", file=sys.stderr)
-        _refuse_unrunnable(args)  # before the page opens: a refusal needs no browser
+        refuse_unrunnable(args)  # before the page opens: a refusal needs no browser
     auth = tuple(args.auth.split(":", 1)) if args.auth else None
     note = DEMO_NOTE if args.model == DEMO_NAME and not args.backend else None
     with _Interrupts() as interrupts:

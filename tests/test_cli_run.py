@@ -143,16 +143,16 @@ def test_a_busy_port_is_said_before_the_model_loads():
 
 def test_gpus_that_cannot_run_a_model_are_named_before_loading(monkeypatch):
     # an A100 runs gpt-oss but not FP8 weights; a V100 runs nothing (the planner's reasons)
-    from localchat.app.cli import (UserError, _check_checkpoint_fits, _default_model, _model_dir, _run_model,
-                                   build_parser)
+    from localchat.app.cli import UserError, _model_dir, _run_model, build_parser
+    from localchat.app.placement import check_checkpoint_fits, default_model
     from localchat.engine import planner
     a100 = [planner.GpuInfo("NVIDIA A100-SXM4-80GB", 80 << 30, 79 << 30, i, (8, 0)) for i in range(2)]
     monkeypatch.setattr(planner, "local_gpus", lambda: a100)
-    assert _default_model() == "gpt-oss-120b"
+    assert default_model() == "gpt-oss-120b"
     args = build_parser().parse_args(["run", str(open_fixture("glm-fp8-block")), "--prompt", "hi"])
     _run_model(args)
     with pytest.raises(UserError, match=r"cannot run on GPU 0: FP8 weights need .* compute capability 8.9"):
-        _check_checkpoint_fits(args, Path(args.model))
+        check_checkpoint_fits(args, Path(args.model))
     # a registry model before its download (none happens: the check comes first)
     registry = build_parser().parse_args(["run", "glm-4.5v-fp8", "--prompt", "hi"])
     _run_model(registry)
@@ -160,7 +160,7 @@ def test_gpus_that_cannot_run_a_model_are_named_before_loading(monkeypatch):
         _model_dir(registry)
     monkeypatch.setattr(planner, "local_gpus", lambda: [planner.GpuInfo("Tesla V100", 32 << 30, 31 << 30, 0, (7, 0))])
     with pytest.raises(UserError, match=r"compute capability 8.0 or newer .* Tesla V100 is 7.0"):
-        _default_model()
+        default_model()
 
 
 def test_run_quantizes_a_bf16_checkpoint_to_fp8_while_loading():
@@ -178,29 +178,30 @@ def test_run_quantizes_a_bf16_checkpoint_to_fp8_while_loading():
 
 def test_a_model_that_needs_several_gpus_is_split_over_them_unless_told_otherwise(monkeypatch, capsys):
     # two 80 GB GPUs: GLM-4.5V-FP8 (102 GiB of weights) needs both, gpt-oss-20b one
-    from localchat.app.cli import UserError, _default_model, _refuse_unrunnable, build_parser
+    from localchat.app.cli import UserError, build_parser
+    from localchat.app.placement import default_model, refuse_unrunnable
     from localchat.engine import planner
     h100 = [planner.GpuInfo("NVIDIA H100 80GB HBM3", 80 << 30, 79 << 30, i, (9, 0)) for i in range(2)]
     monkeypatch.setattr(planner, "local_gpus", lambda: h100)
     args = build_parser().parse_args([])
-    args.model = _default_model()
-    _refuse_unrunnable(args)  # the planner's pick runs where it was planned, not refused for GPU 0 alone
+    args.model = default_model()
+    refuse_unrunnable(args)  # the planner's pick runs where it was planned, not refused for GPU 0 alone
     assert (args.model, args.tp, args.gpus) == ("glm-4.5v-fp8", 2, [0, 1])
     assert "split over GPUs 0,1" in capsys.readouterr().err
     small = build_parser().parse_args(["--model", "gpt-oss-20b"])
-    _refuse_unrunnable(small)
+    refuse_unrunnable(small)
     assert (small.tp, small.gpus) == (None, None)
     # GPU 0 taken (another model on it): one that fits a single GPU goes where there is room
     busy = [planner.GpuInfo("NVIDIA H100 80GB HBM3", 80 << 30, 5 << 30, 0, (9, 0)), h100[1]]
     monkeypatch.setattr(planner, "local_gpus", lambda: busy)
     moved = build_parser().parse_args(["--model", "gpt-oss-20b"])
-    _refuse_unrunnable(moved)
+    refuse_unrunnable(moved)
     assert (moved.tp, moved.gpus) == (None, [1]) and "goes on GPU 1" in capsys.readouterr().err
     monkeypatch.setattr(planner, "local_gpus", lambda: h100)
     # a GPU the user chose stays the choice, and the refusal says how to use both
     pinned = build_parser().parse_args(["--model", "glm-4.5v-fp8", "--gpus", "1"])
     with pytest.raises(UserError, match=r"does not fit GPU 1: .*this machine has 2 GPUs: --tp 2 splits"):
-        _refuse_unrunnable(pinned)
+        refuse_unrunnable(pinned)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the model would be downloaded")
@@ -208,3 +209,19 @@ def test_a_registry_model_without_a_gpu_is_refused_before_its_download(tmp_path)
     out = run_cli("run", "gpt-oss-120b", "--prompt", "Hello", timeout=60)
     assert out.returncode == 2 and "gpt-oss-120b needs a CUDA GPU" in out.stderr and "--device cpu" in out.stderr
     assert "Traceback" not in out.stderr and "Fetching" not in out.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["run", "demo", "hi", "--temperature", "-1"], "--temperature: must be at least 0"),
+    (["run", "demo", "hi", "--max-tokens", "0"], "--max-tokens: must be at least 1"),
+    (["run", "demo", "hi", "--top-p", "0"], "--top-p: must be above 0 and at most 1"),
+    (["run", "demo", "hi", "--top-k", "x"], "--top-k: 'x' is not an integer"),
+    (["--tp", "0"], "--tp: must be at least 1"),
+    (["--port", "70000"], "--port: must be at least 0 and at most 65535"),
+])
+def test_out_of_range_flags_are_refused_by_name(argv, message, capsys):
+    from localchat.app.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert message in capsys.readouterr().err
