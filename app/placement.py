@@ -50,9 +50,9 @@ def refuse_unrunnable(args) -> None:
     if args.device != "cpu" and not local_gpus():
         # CPU is the reference path (tests, tiny models): refused before a download of many GB
         raise UserError(f"{args.model} needs a CUDA GPU ({entry.plan([], quantize=args.quantize).summary()}). "
-                        "`localchat doctor` says what it "
-                        "sees; `--device cpu` runs it on the CPU anyway, very slowly and in several times its "
-                        "size of memory; `localchat --model demo` tries the app without a GPU")
+                        "`localchat doctor` says what it sees; `--device cpu` runs it on the CPU anyway, very "
+                        "slowly and in several times its size of memory; `localchat --model demo` tries the app "
+                        "without a GPU")
     check_fits(args, lambda gpus: entry.plan(gpus, max_context=args.max_context, quantize=args.quantize))
 
 
@@ -64,7 +64,7 @@ def check_checkpoint_fits(args, model_dir: Path) -> None:
     spec = ModelSpec.from_dir(model_dir)
     weights = checkpoint_weight_bytes(model_dir)
     check_fits(args, lambda gpus: plan(spec, weights, gpus, max_context=args.max_context, quantize=args.quantize,
-                                        fp8=spec.quant.method == "fp8"))
+                                       fp8=spec.quant.method == "fp8"))
 
 
 def check_fits(args, plan_for) -> None:
