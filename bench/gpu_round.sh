@@ -46,4 +46,11 @@ REG_DOWN4=half2:32:512:2:3/T/t0/w/d32:512:2:4
 step moe-registers && timeout "${REG_TESTS_S:-150}" python3 -m pytest -m gpu tests/kernels/test_moe_gemv.py -q -s -p no:cacheprovider -k "row_kernels_gpu or two_pairs" 2>&1 | tee "$OUT/registers_gpu.log" | tail -20
 step moe-registers && timeout "${REG_S:-400}" python3 bench/moe_breakdown.py --ts ${REG_TS:-32,16,12,48,8,4} --only ${REG_ONLY:-mxfp4} --rows "${REG_ROWS:-$REG_BASE/P/r160,$REG_BASE/P/r144,$REG_DOWN4/P/r160,$REG_BASE/r160,$REG_BASE/R184,$REG_BASE/R184/r160}" 2>&1 | tee "$OUT/registers.log" | grep -E "graph|failed"
 step generations && timeout "${GEN_TESTS_S:-200}" python3 -m pytest -m gpu tests/kernels/test_moe_defaults.py tests/kernels/test_moe_mx_mma.py tests/kernels/test_fp8_linear.py tests/test_loader.py tests/runtime/test_engine_gpu.py -q -s -p no:cacheprovider -k "other_gpu_generations or float32_decode or scaled_mm_recipes or cuda_unchanged or quantize_fp8_on_cuda" 2>&1 | tee "$OUT/generations_gpu.log" | tail -20
+# the down cap as the default: GPU tests of the defaults and row kernels, then the whole model with
+# the cap on / off / on (bench/registers_ab.py)
+REG_BENCH="gpt-oss-120b --dummy --batch ${REG_BATCH:-16,32} --prompt-len 512 --gen-len 48 --image none"
+step registers-default && timeout "${REGD_TESTS_S:-120}" python3 -m pytest -m gpu tests/kernels/test_moe_defaults.py tests/kernels/test_moe_gemv.py -q -p no:cacheprovider -k "row_kernels_gpu or two_pairs or defaults" 2>&1 | tee "$OUT/registers_default_gpu.log" | tail -3
+for mode in on off on; do
+  step registers-default && timeout "${REGD_S:-150}" python3 bench/registers_ab.py $mode -- $REG_BENCH 2>&1 | tee -a "$OUT/registers_ab.log" | grep -E "DOWN_REGISTERS|batch|tok/s|floor" | tail -8
+done
 exit 0

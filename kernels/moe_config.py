@@ -136,6 +136,10 @@ SHARED_MEMORY_BUDGET = 200 * 1024
 SHARED_MEMORY_MARGIN = 2 * 1024
 
 
+# Registers a thread for the MXFP4 TMA down kernel from 12 tokens (0: the compiler's choice).
+MXFP4_DOWN_REGISTERS = 160
+
+
 def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2,
                    bf16: bool = True, tma: bool = False, arch: GpuArch = MEASURED_ARCH) -> MoeConfig:
     """Tile sizes by the expected pairs per expert (uniform routing). Each choice below is the
@@ -178,9 +182,14 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
             # at 12 / 16 / 32 tokens 2% / 5% / 10% shorter than one pair a program; gpt-oss-20b at
             # 8 / 12 tokens 3% / 13% shorter than one pair a program / the tensor-core tiles, even
             # at 16 (bench/NOTES-moe.md, "Two warps of 16 rows")
+            # From 48 pairs (12 tokens) the down kernel is held to MXFP4_DOWN_REGISTERS a thread
+            # (six programs an SM instead of five): gpt-oss-120b at 12 / 16 / 32 / 48 tokens 1.2% /
+            # 1.5% / 1.8% / 2.4% shorter; at 4 and 8 tokens no gain (H100, bench/NOTES-moe.md,
+            # "Registers a thread for more programs an SM")
             pairs = 2 if per_expert >= 0.375 and num_pairs >= 32 else 1
+            down_registers = MXFP4_DOWN_REGISTERS if num_pairs >= 48 else 0
             return MoeConfig(pairs, 32, 512, 2, 3, gemv=True, mx_half2=True, wide_x=True, tma=True, tma_down=True,
-                             tail_k=0, down_tile=(32, 512, 2, 3))
+                             tail_k=0, down_tile=(32, 512, 2, 3), down_max_registers=down_registers)
         if per_expert <= 0.5:
             # three stages and 16-byte activation loads in gate/up for one token's pairs (few
             # programs, each keeping more K steps in flight); from 8 pairs two stages measured 6%

@@ -45,6 +45,8 @@ def test_gpt_oss_decode_defaults_take_tma_from_four_tokens():
         cfg = default_config(4 * t, experts, FMT_MXFP4, on_gpu=True, tma=True)
         assert cfg.mx_half2 and cfg.tma and cfg.tma_down and cfg.block_k == 512 and cfg.tail_k == 0
         assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.down_tile) == (pairs, 32, 2, (32, 512, 2, 3))
+        # the down kernel held to 160 registers a thread from 12 tokens (48 pairs)
+        assert cfg.down_max_registers == (160 if 4 * t >= 48 else 0)
         assert not default_config(4 * t, experts, FMT_MXFP4, on_gpu=True).tma
     # above 1.5 pairs per expert the tensor-core tiles; without alignment from one pair per expert
     assert default_config(4 * 64, 128, FMT_MXFP4, on_gpu=True, tma=True).mx_mma
