@@ -69,7 +69,11 @@ def fp8_rows(w: torch.Tensor) -> Fp8Weight:
     codes rounded to nearest). An all-zero row gets a tiny finite scale and zero codes; the FP8
     kernels encode activations per token the same way (kernels/fp8_linear.py quant_rows)."""
     wf = w.to(torch.float32)
-    scale = wf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    # divided by a tensor, not a Python number: CUDA divides by a number as a product with its
+    # reciprocal, one rounding off the CPU's quotient, which moves codes at rounding boundaries,
+    # and the same weights must give the same codes on either device
+    largest = torch.full((), FP8_MAX, dtype=torch.float32, device=wf.device)
+    scale = wf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / largest
     return Fp8Weight((wf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale)
 
 
