@@ -50,11 +50,22 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content=self.body())
+    def response(self, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content=self.body(), headers=headers)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def key_error(request: Request, api_key: str | None) -> ApiError | None:
+    """The 401 for a /v1 request without `Authorization: Bearer <api_key>` (None: it may pass)."""
+    if api_key is None:
+        return None
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode()):
+        return None
+    return ApiError(401, "Missing or wrong API key. Send the key localchat was started with "
+                         "as 'Authorization: Bearer <key>'.", code="invalid_api_key")
 
 
 @dataclass(frozen=True)
@@ -71,12 +82,9 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
     started = int(time.time())
 
     def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise ApiError(401, "Missing or wrong API key. Send the key localchat was started with "
-                                "as 'Authorization: Bearer <key>'.", code="invalid_api_key")
+        failure = key_error(request, api_key)
+        if failure is not None:
+            raise failure
 
     @router.get("/models")
     async def list_models(request: Request):
@@ -366,7 +374,7 @@ def _collect(stream: RequestStream) -> tuple[str, str, list, Final]:
             if isinstance(item, Delta):
                 text.append(item.text)
                 reasoning.append(item.reasoning)
-                calls += getattr(item, "tool_calls", ())
+                calls += item.tool_calls
             else:
                 final = item
     finally:
@@ -424,7 +432,7 @@ async def _sse(source: _EventSource, cid: str, created: int, model: str, include
                 delta["reasoning_content"] = item.reasoning
             if item.text:
                 delta["content"] = item.text
-            if getattr(item, "tool_calls", ()):
+            if item.tool_calls:
                 # each call whole, in one delta (clients join argument fragments; one is a fragment too)
                 delta["tool_calls"] = [tool_call_json(c, calls + k) for k, c in enumerate(item.tool_calls)]
                 calls += len(item.tool_calls)

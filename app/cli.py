@@ -201,7 +201,6 @@ def _start_behind_page(args, sock, url: str):
     it is raised, so a user who started localchat from a launcher sees why in the browser."""
     import webbrowser
 
-    from ..engine.hub_errors import HubError
     from .startup import StartupServer, StartupStatus
     from .ui import is_loopback
 
@@ -225,8 +224,7 @@ def _start_behind_page(args, sock, url: str):
         raise
     except Exception as e:
         # the errors main() prints as one line read the same on the page
-        known = isinstance(e, (UserError, HubError, FileNotFoundError, ValueError, RuntimeError))
-        status.failed(str(e) if known else f"{type(e).__name__}: {e}")
+        status.failed(str(e) if isinstance(e, _one_line_errors()) else f"{type(e).__name__}: {e}")
         status.wait_for_watchers()
         raise
     finally:
@@ -372,9 +370,14 @@ class _Interrupts:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _one_line_errors() -> tuple[type[Exception], ...]:
+    """The errors whose message says what to do: printed as one line, without a traceback."""
     from ..engine.hub_errors import HubError
 
+    return UserError, HubError, FileNotFoundError, ValueError, RuntimeError
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command == "run" and args.question is None and len(extra) == 1 and not extra[0].startswith("-"):
@@ -385,17 +388,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
-    except UserError as e:
-        print(f"localchat: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
-    except HubError as e:
+    except _one_line_errors() as e:
         print(f"localchat: {e}", file=sys.stderr)
-        return 1
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        print(f"localchat: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, UserError) else 1
 
 
 if __name__ == "__main__":

@@ -13,16 +13,18 @@ are answered by the chat page's server.
 """
 from __future__ import annotations
 
-import hmac
 import html
 import json
 import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import fastapi
 from fastapi.responses import HTMLResponse, JSONResponse
+
+from .api import ApiError, key_error
 
 # How long a failed start keeps the page up for a browser that is watching it, so the reason
 # shows there too (the terminal always has it).
@@ -81,7 +83,7 @@ class StartupStatus:
 
     def load(self, done: int, total: int, file: str) -> None:
         """The loader's on_progress(done_bytes, total_bytes, file)."""
-        self._set(stage="load", fraction=done / max(total, 1), detail=str(file).rsplit("/", 1)[-1])
+        self._set(stage="load", fraction=done / max(total, 1), detail=Path(file).name)
 
     def warmup(self) -> None:
         self._set(stage="warmup", fraction=None, detail="")
@@ -128,15 +130,12 @@ def create_startup_app(status: StartupStatus, api_key: str | None = None) -> fas
 
     @app.api_route("/v1/{rest:path}", methods=["GET", "POST"])
     def api(rest: str, request: fastapi.Request):
-        # the error shape OpenAI clients parse, so they print the reason
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if api_key is not None and not (scheme.lower() == "bearer" and
-                                        hmac.compare_digest(given.strip().encode(), api_key.encode())):
-            return JSONResponse({"error": {"message": "Missing or wrong API key.", "type": "invalid_request_error",
-                                           "param": None, "code": "invalid_api_key"}}, status_code=401)
-        return JSONResponse({"error": {"message": not_ready(status.state()), "type": "service_unavailable",
-                                       "param": None, "code": "model_loading"}},
-                            status_code=503, headers={"Retry-After": "5"})
+        # the API's own errors (its key check, the error shape OpenAI clients parse and print)
+        refused = key_error(request, api_key)
+        if refused is not None:
+            return refused.response()
+        loading = ApiError(503, not_ready(status.state()), type="service_unavailable", code="model_loading")
+        return loading.response(headers={"Retry-After": "5"})
 
     return app
 

@@ -253,9 +253,8 @@ class ChatController:
         except (ImportRejected, OSError, TypeError) as e:
             gr.Warning(f"Could not import that file: {e}")
             return [gr.skip()] * (4 + len(SETTINGS_FIELDS))
-        conv = self.history.get(cid)
-        return [render(conv.messages, self.history)[0], cid, conv.title,
-                self._list_update(cid, query)] + self.settings_values(conv.settings)
+        opened = self.open(cid)
+        return opened[:3] + [self._list_update(cid, query)] + opened[3:]
 
     def export(self, cid: str | None, kind: str):
         if not self.history.exists(cid):

@@ -75,7 +75,7 @@ def answer_stats(final: Final | None, context_length: int, thinking_s: float | N
             "completion_tokens": final.completion_tokens, "context_length": context_length,
             "image_encode_s": t.image_encode, "prefill_s": t.prefill, "first_token_s": t.first_token,
             "decode_s": t.decode, "queued_s": getattr(t, "queued", 0.0), "tokens_per_s": t.decode_tokens_per_s, "thinking_s": thinking_s,
-            "error": final.error, "dropped_messages": getattr(final, "dropped_messages", 0)}
+            "error": final.error, "dropped_messages": final.dropped_messages}
 
 
 def status_line(m: StoredMessage) -> tuple[str, str]:

@@ -65,6 +65,8 @@ class TextAssembler:
 
     def take_tool_calls(self) -> tuple:
         """The tool calls completed since the last call (ToolCall records)."""
-        fresh = self.parser.calls[self.called:]
-        self.called = len(self.parser.calls)
-        return tuple(fresh)
+        calls = self.parser.calls
+        if len(calls) == self.called:  # every token asks; almost none finishes a call
+            return ()
+        fresh, self.called = tuple(calls[self.called:]), len(calls)
+        return fresh
