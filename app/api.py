@@ -180,7 +180,7 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
         raise ApiError(400, "localchat does not return log probabilities: leave out 'logprobs' and "
                             "'top_logprobs'.", param="logprobs")
     try:
-        tools = parse_tools(body)
+        tools, forced_call = parse_tools(body)
     except ToolsError as e:
         raise ApiError(400, e.message, param=e.param)
     fmt = body.get("response_format")
@@ -227,7 +227,8 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
         raise ApiError(400, "'stream' must be true or false.", param="stream")
     include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
     chat = ChatRequest(messages, sampling, thinking=thinking,
-                       reasoning_effort=effort if effort in ("low", "medium", "high") else "low", tools=tools)
+                       reasoning_effort=effort if effort in ("low", "medium", "high") else "low", tools=tools,
+                       forced_call=forced_call)
     return ParsedRequest(chat, stream, include_usage)
 
 

@@ -2,16 +2,21 @@
 `tool_calls` and `tool` messages in, the model's calls out, in the shapes of OpenAI's Chat
 Completions reference (https://platform.openai.com/docs/api-reference/chat).
 
-The model decides whether to call (`tool_choice` "auto", the default when tools are given);
-"none" hides the tools from it. Forcing a call ("required", or one named function) would need
-decoding constrained to the call syntax, which the engine does not do, so it is refused rather
-than silently not honoured.
+`tool_choice` "auto" (the default) lets the model decide whether to call; "none" hides the tools
+from it. "required" and {"type": "function", "function": {"name": NAME}} force a call: the engine
+writes the start of a call in the model's own syntax after the generation prompt (up to the name
+when one is named), so the model can only go on inside it (ChatRequest.forced_call). Nothing else
+constrains decoding: the arguments are the model's, not checked against the schema, and the
+model does not think before a forced call.
 """
 from __future__ import annotations
 
 import json
 
-from localchat.engine.runtime.request import ToolCall
+from localchat.engine.runtime.request import ForcedCall, ToolCall
+
+_CHOICE_SHAPES = ("'tool_choice' may be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                  "\"function\": {\"name\": NAME}} naming one of 'tools'")
 
 
 class ToolsError(ValueError):
@@ -22,13 +27,20 @@ class ToolsError(ValueError):
         self.message, self.param = message, param
 
 
-def parse_tools(body: dict) -> tuple[dict, ...]:
-    """The tools the model is shown, each {"type": "function", "function": {...}}; () when none
-    are given or tool_choice is "none"."""
+def parse_tools(body: dict) -> tuple[tuple[dict, ...], ForcedCall | None]:
+    """(the tools the model is shown, each {"type": "function", "function": {...}}; the call it
+    must make, None when it decides). No tools when none are given or tool_choice is "none"."""
     if body.get("functions") or body.get("function_call"):
         raise ToolsError("'functions' and 'function_call' are the deprecated form: send 'tools' "
                          "[{\"type\": \"function\", \"function\": {...}}] instead.", "functions")
-    tools = body.get("tools")
+    tools = _tool_list(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice == "none":
+        return (), None
+    return tools, _forced_call(choice, tools)
+
+
+def _tool_list(tools: object) -> tuple[dict, ...]:
     if tools in (None, []):
         return ()
     if not isinstance(tools, list):
@@ -44,14 +56,31 @@ def parse_tools(body: dict) -> tuple[dict, ...]:
             raise ToolsError(f"tools[{i}].function.parameters must be a JSON schema object.",
                              f"tools[{i}].function.parameters")
         out.append({"type": "function", "function": fn})
-    choice = body.get("tool_choice", "auto")
-    if choice == "none":
-        return ()
-    if choice != "auto":
-        raise ToolsError("localchat lets the model decide whether to call a tool: 'tool_choice' may be \"auto\" "
-                         "or \"none\" (a forced call, \"required\" or a named function, is not supported).",
-                         "tool_choice")
     return tuple(out)
+
+
+def _forced_call(choice: object, tools: tuple[dict, ...]) -> ForcedCall | None:
+    """The call tool_choice forces (other than "none"), checked against the tools offered."""
+    if choice in (None, "auto"):
+        return None
+    forced = ForcedCall(_function_named(choice))
+    if choice != "required" and forced.function is None:
+        raise ToolsError(f"{_CHOICE_SHAPES}; got {json.dumps(choice)}.", "tool_choice")
+    names = [t["function"]["name"] for t in tools]
+    if not names:
+        raise ToolsError("'tool_choice' forces a function call, which needs 'tools' to call: add the functions "
+                         "to 'tools', or leave 'tool_choice' out.", "tool_choice")
+    if forced.function is not None and forced.function not in names:
+        raise ToolsError(f"'tool_choice' names the function {forced.function!r}, which is not among 'tools' "
+                         f"({', '.join(names)}): name one of them, or add it to 'tools'.", "tool_choice")
+    return forced
+
+
+def _function_named(choice: object) -> str | None:
+    """NAME of a {"type": "function", "function": {"name": NAME}} choice; None for other shapes."""
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    return name if isinstance(name, str) and name else None
 
 
 def parse_tool_calls(raw: object, where: str) -> tuple[ToolCall, ...]:

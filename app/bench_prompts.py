@@ -1,9 +1,10 @@
 """Prompts for the benchmark: random token ids of a fixed length, and real images through the
 GLM-4.5V image processor, built without a downloaded tokenizer.
 
-It stands in for the engine's ChatFormatter (`build(request) -> Prompt` and `.tokenizer`): the
-tokenizer is a word-level one with one word per id of the model's full vocabulary, so detokenizing
-what a random model says costs what it costs with the real tokenizer and never fails.
+It stands in for the engine's ChatFormatter (`build(request) -> Prompt`, `answer_prefix`, `thinks`
+and `.tokenizer`): the tokenizer is a word-level one with one word per id of the model's full
+vocabulary, so detokenizing what a random model says costs what it costs with the real tokenizer
+and never fails.
 """
 from __future__ import annotations
 
@@ -53,6 +54,13 @@ class SyntheticPrompts:
 
     def _ids(self, n: int) -> list[int]:
         return [self.random.randrange(*ORDINARY_IDS) for _ in range(n)]
+
+    def answer_prefix(self, request: ChatRequest) -> str:
+        """Random prompts never force a call, so they hold none of the answer."""
+        return ""
+
+    def thinks(self, request: ChatRequest) -> bool:
+        return request.thinking
 
     def build(self, request: ChatRequest) -> Prompt:
         parts = [p for m in request.messages for p in m.content]

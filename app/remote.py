@@ -6,9 +6,9 @@ SSE `data:` lines of `chat.completion.chunk` objects ending in `data: [DONE]`; w
 `stream_options.include_usage` a last chunk with empty `choices` carries `usage`. Reasoning
 arrives as `delta.reasoning_content` (vLLM's reasoning parsers, SGLang, localchat) or
 `delta.reasoning` (newer vLLM). top_k, min_p, repetition_penalty and `chat_template_kwargs`
-are extra body fields both vLLM and SGLang accept. Tools, tool calls and tool results are forwarded;
-the calls streamed back (id and name once, the arguments in pieces, by index) are handed on whole
-when the answer ends.
+are extra body fields both vLLM and SGLang accept. Tools, a forced call (as `tool_choice`), tool
+calls and tool results are forwarded; the calls streamed back (id and name once, the arguments in
+pieces, by index) are handed on whole when the answer ends.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ..engine.runtime.request import (
-    ChatRequest, Delta, Final, ImagePart, Message, ModelInfo, StreamItem, TextPart, Timings, ToolCall,
+    ChatRequest, Delta, Final, ForcedCall, ImagePart, Message, ModelInfo, StreamItem, TextPart, Timings, ToolCall,
 )
 from ..engine.spec import SamplingDefaults
 from .api_tools import tool_call_json
@@ -109,6 +109,8 @@ class RemoteEngine:
             body["repetition_penalty"] = sp.repetition_penalty
         if request.tools:
             body["tools"] = list(request.tools)
+        if request.forced_call is not None:
+            body["tool_choice"] = _wire_tool_choice(request.forced_call)
         return body
 
 
@@ -248,6 +250,13 @@ def _sampling(card: object) -> SamplingDefaults:
 def _count(value) -> int | None:
     """A positive integer from a card, else None (absent, null or malformed: unknown)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _wire_tool_choice(forced: ForcedCall) -> str | dict:
+    """A forced call as OpenAI's tool_choice: "required", or the named function."""
+    if forced.function is None:
+        return "required"
+    return {"type": "function", "function": {"name": forced.function}}
 
 
 def _gather_tool_calls(calls: dict[int, dict], deltas: object) -> None:

@@ -263,7 +263,8 @@ class Engine:
             if self.spec.vision is not None:
                 spans = image_spans(prompt, self.spec.image_tokens.image, self.spec.vision.spatial_merge_size)
         with self._format_lock:
-            text = TextAssembler(self.formatter.tokenizer, self.spec.family, request.thinking, sp.stop, request.tools)
+            text = TextAssembler(self.formatter.tokenizer, self.spec.family, self.formatter.thinks(request), sp.stop,
+                                 request.tools, prefix=self.formatter.answer_prefix(request))
         sampler = Sampler(sp, self.device, prompt_len=len(prompt.input_ids))
         return Sequence(next(self._ids), stream, prompt, sampler, text, limit=limit, eos_ids=self.spec.eos_token_ids,
                         block_size=self.block_size, spans=spans, mrope=mrope, dropped_messages=dropped)

@@ -17,6 +17,7 @@ import torch
 
 from ..spec import ModelSpec
 from .request import ChatRequest, ImagePart, Message, TextPart, ToolCall
+from .tool_calls import forced_call_prefix
 
 
 @dataclass
@@ -143,13 +144,25 @@ class ChatFormatter:
         added = [t.content for t in self.tokenizer.added_tokens_decoder.values()]
         self.special_texts = tuple(sorted({t for t in added if len(t) > 1}, key=len, reverse=True))
 
+    def answer_prefix(self, request: ChatRequest) -> str:
+        """The part of the answer the prompt already holds: the start of a forced call ("" when the
+        model decides). The output parser must read it before the generated text."""
+        return forced_call_prefix(self.spec.family, request.forced_call, request.tools)
+
+    def thinks(self, request: ChatRequest) -> bool:
+        """Whether GLM thinks before answering. A forced call starts the answer, so the think block
+        before it is closed empty (gpt-oss likewise goes to the call's channel, skipping analysis)."""
+        return request.thinking and request.forced_call is None
+
     def render(self, request: ChatRequest) -> str:
-        kwargs = {"enable_thinking": request.thinking} if self.spec.family == "glm4v_moe" else {
+        prefix = self.answer_prefix(request)
+        kwargs = {"enable_thinking": self.thinks(request)} if self.spec.family == "glm4v_moe" else {
             "reasoning_effort": request.reasoning_effort}
         if request.tools:
             kwargs["tools"] = [_template_tool(t) for t in request.tools]
         return self.tokenizer.apply_chat_template(
-            _hf_messages(request.messages, self.spec.family, self.special_texts), tokenize=False, add_generation_prompt=True, **kwargs)
+            _hf_messages(request.messages, self.spec.family, self.special_texts), tokenize=False,
+            add_generation_prompt=True, **kwargs) + prefix
 
     def build(self, request: ChatRequest) -> Prompt:
         images = [p for m in request.messages for p in m.content if isinstance(p, ImagePart)]

@@ -87,6 +87,16 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class ForcedCall:
+    """The answer must be a function call: to `function`, or to whichever of the request's tools
+    the model picks when None (OpenAI's tool_choice {"type": "function", "function": {"name"}}
+    and "required"). The engine writes the start of the call after the generation prompt; the
+    arguments are the model's own."""
+
+    function: str | None = None
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     """thinking: GLM thinking on/off. reasoning_effort: gpt-oss "low" | "medium" | "high".
     overflow: a conversation that does not fit the context (with room for the answer) is refused
@@ -96,7 +106,9 @@ class ChatRequest:
     so the cut stays put and the prefix cache keeps serving the rest. tools: functions the model may
     call, each as OpenAI's {"type": "function", "function": {"name", "description", "parameters"
     (JSON schema)}}; the chat template shows them to the model and its calls come back as
-    Delta.tool_calls."""
+    Delta.tool_calls. forced_call: None lets the model decide whether to call; a ForcedCall makes
+    the answer start with a call to one of `tools`, with no thinking (GLM) or analysis (gpt-oss)
+    before it."""
 
     messages: tuple[Message, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -105,6 +117,7 @@ class ChatRequest:
     overflow: Literal["error", "drop_oldest"] = "error"
     dropped_hint: int = 0
     tools: tuple[dict, ...] = ()
+    forced_call: ForcedCall | None = None
 
 
 @dataclass(frozen=True)

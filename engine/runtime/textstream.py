@@ -9,9 +9,13 @@ from .reasoning import reasoning_parser
 
 class TextAssembler:
     def __init__(self, tokenizer, family: str, thinking: bool, stop: tuple[str, ...] = (),
-                 tools: tuple[dict, ...] = ()):
+                 tools: tuple[dict, ...] = (), prefix: str = ""):
+        """prefix: answer text the prompt already ends with (a forced call's start,
+        ChatFormatter.answer_prefix); the parser reads it first, and it is never shown."""
         self.detok = IncrementalDetokenizer(tokenizer)
         self.parser = reasoning_parser(family, thinking, tools)
+        # A forced call's start leaves the parser inside the call, where nothing is released yet.
+        self.parser.feed(prefix)
         self.called = 0  # tool calls handed out so far
         self.stop = tuple(s for s in stop if s)
         self.hold = max((len(s) for s in self.stop), default=1) - 1

@@ -8,6 +8,11 @@ gpt-oss writes a harmony message addressed to the function, `<|channel|>commenta
 to=functions.NAME <|constrain|>json<|message|>{JSON arguments}<|call|>` (the recipient may also
 follow the role instead: `<|start|>assistant to=functions.NAME<|channel|>commentary ...`), and
 stops at `<|call|>` (notes C.5).
+
+A forced call (ChatRequest.forced_call) is the start of such a call written after the generation
+prompt (`forced_call_prefix`), so the model can only go on inside it: the function's name when one
+is named, else the model writes the name itself. The output parser reads that start first, as if
+the model had written it.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import json
 import re
 import uuid
 
-from .request import ToolCall
+from .request import ForcedCall, ToolCall
 
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
@@ -67,3 +72,29 @@ def harmony_recipient(header: str) -> str | None:
 
 def harmony_tool_call(name: str, body: str) -> ToolCall:
     return ToolCall(new_call_id(), name, body.strip() or "{}")
+
+
+# Each family's call syntax up to the function's name: where a forced call's answer starts.
+_CALL_OPENERS = {"glm4v_moe": "<tool_call>", "gpt_oss": "<|channel|>commentary to=functions."}
+
+
+def forced_call_prefix(family: str, forced: ForcedCall | None, tools: tuple[dict, ...]) -> str:
+    """The start of a call the answer is made to begin with ("" when no call is forced): up to the
+    function's name, or up to and including the name and what ends it when one is named. Raises
+    ValueError when the call cannot be one of `tools`."""
+    if forced is None:
+        return ""
+    if family not in _CALL_OPENERS:
+        raise ValueError(f"forcing a function call is not supported for the {family} family")
+    names = tool_schemas(tools)
+    if not names:
+        raise ValueError("a forced function call needs tools to call: pass them with the request")
+    opener = _CALL_OPENERS[family]
+    if forced.function is None:
+        return opener
+    if forced.function not in names:
+        raise ValueError(f"the forced function {forced.function!r} is not among the request's tools "
+                         f"({', '.join(names)})")
+    if family == "glm4v_moe":
+        return f"{opener}{forced.function}\n"
+    return f"{opener}{forced.function} <|constrain|>json<|message|>"

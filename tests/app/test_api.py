@@ -11,7 +11,8 @@ from demo_engine import DemoEngine, slow_steps, without_end_of_text
 from fake_engine import FakeEngine
 from live_server import LiveServer, png_bytes
 from localchat.app.ui import create_app
-from localchat.engine.runtime.request import Final, ImagePart, TextPart, ToolCall
+from localchat.engine.runtime import engine as engine_module
+from localchat.engine.runtime.request import Final, ForcedCall, ImagePart, TextPart, ToolCall
 from localchat.engine.spec import SamplingDefaults
 
 KEY = "sk-local-test"
@@ -106,7 +107,7 @@ def test_errors_use_openai_format(api):
              ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
              ({"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role"),
              ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
-             ({"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": "required"},
+             ({"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": "any"},
               "tool_choice"),
              ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions"),
              ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "a"}]}]},
@@ -311,3 +312,62 @@ def test_tool_calls_round_trip(history):
         assert [m.role for m in sent.messages] == ["user", "assistant", "tool", "tool"]
         assert sent.messages[1].tool_calls == calls
         assert [(m.tool_call_id, m.content[0].text) for m in sent.messages[2:]] == [("call_2", "snow"), ("call_1", "sun")]
+
+
+def test_forced_tool_choice_is_checked_and_passed_on(history):
+    calls = (ToolCall("call_1", "get_weather", '{"city": "Paris"}'),)
+    engine = FakeEngine(delay=0.002, calls=calls)
+    with LiveServer(create_app(engine, history)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "v1", api_key="unused", max_retries=0)
+        question = [{"role": "user", "content": "Weather in Paris?"}]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice, forced in (("required", ForcedCall()), (named, ForcedCall("get_weather")), ("auto", None)):
+            r = client.chat.completions.create(model="fake-glm", messages=question, tools=[WEATHER], tool_choice=choice)
+            assert (engine.requests[-1].tools, engine.requests[-1].forced_call) == ((WEATHER,), forced)
+            assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].id == "call_1"
+        sent = len(engine.requests)
+        bad = [({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+                "'get_time', which is not among 'tools' (get_weather)"),
+               ({"tool_choice": "required"}, "needs 'tools' to call"),
+               ({"tools": [], "tool_choice": named}, "needs 'tools' to call"),
+               ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}},
+                'may be "auto", "none", "required" or {"type": "function", "function": {"name": NAME}}'),
+               ({"tools": [WEATHER], "tool_choice": 1}, "got 1.")]
+        for fields, message in bad:
+            r = httpx.post(srv.url + "v1/chat/completions", json={"messages": question, **fields})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "tool_choice" and message in err["message"], err
+        assert len(engine.requests) == sent
+
+
+def test_a_forced_call_from_the_real_engine_comes_out_like_a_chosen_one(demo_runtime, history, monkeypatch):
+    tokenizer = demo_runtime.formatter.tokenizer
+    # what the model writes after the forced `<tool_call>get_weather\n`, then the end of its turn
+    script = tokenizer("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+                       add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|observation|>")]
+    tokens = iter(())
+
+    def scripted(logits, samplers, contexts):
+        return [next(tokens)]
+
+    monkeypatch.setattr(engine_module, "sample_tokens", scripted)
+    engine = DemoEngine(demo_runtime, max_tokens=50)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    with LiveServer(create_app(engine, history)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "v1", api_key="unused", max_retries=0)
+        tokens = iter(script)
+        r = client.chat.completions.create(model="demo", messages=question, tools=[WEATHER], tool_choice=named)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert "reasoning_content" not in choice.message.model_extra
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+            [("get_weather", {"city": "Paris"})]
+        tokens = iter(script)
+        chunks = list(client.chat.completions.create(model="demo", messages=question, tools=[WEATHER],
+                                                     tool_choice=named, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert not any(d.content or (d.model_extra or {}).get("reasoning_content") for d in deltas)
+        assert [(t.index, t.function.name, json.loads(t.function.arguments))
+                for d in deltas for t in d.tool_calls or ()] == [(0, "get_weather", {"city": "Paris"})]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"

@@ -8,7 +8,7 @@ from live_server import LiveServer, free_port, png_bytes
 from localchat.app.remote import DEFAULT_CONTEXT, RemoteEngine
 from localchat.app.ui import create_app
 from localchat.engine.runtime.request import (
-    ChatRequest, Delta, Final, ImagePart, Message, SamplingParams, TextPart, Timings,
+    ChatRequest, Delta, Final, ForcedCall, ImagePart, Message, SamplingParams, TextPart, Timings,
 )
 from localchat.engine.spec import SamplingDefaults
 
@@ -179,6 +179,15 @@ def test_tools_go_to_the_backend_and_its_calls_come_back(history):
         list(remote.submit(ChatRequest(follow, tools=(weather,))))
         sent = engine.requests[-1].messages
         assert sent[1].tool_calls == calls and (sent[2].role, sent[2].tool_call_id) == ("tool", "call_1")
+        # a forced call reaches the backend as its tool_choice
+        for forced in (ForcedCall(), ForcedCall("get_weather")):
+            items = list(remote.submit(ChatRequest((Message.text("user", "Weather?"),), tools=(weather,),
+                                                   forced_call=forced)))
+            assert engine.requests[-1].forced_call == forced and items[-1].finish_reason == "tool_calls"
+        assert remote._body(ChatRequest((Message.text("user", "Weather?"),), tools=(weather,),
+                                        forced_call=ForcedCall("get_weather")))["tool_choice"] == \
+            {"type": "function", "function": {"name": "get_weather"}}
+        assert "tool_choice" not in remote._body(ChatRequest((Message.text("user", "Weather?"),), tools=(weather,)))
 
 
 def test_streamed_tool_call_fragments_are_joined_by_index():

@@ -1,0 +1,123 @@
+"""Forced function calls (tool_choice "required" or a named function): the prompt ends with the start
+of a call in the family's own format, the output parser reads that start before what the model
+writes, and the engine streams the call exactly as it streams one the model chose to make."""
+import json
+import random
+
+import pytest
+
+from fixtures import open_fixture
+from localchat.engine.runtime import engine as engine_module
+from localchat.engine.runtime.engine import Engine
+from localchat.engine.runtime.reasoning import reasoning_parser
+from localchat.engine.runtime.request import ChatRequest, Delta, Final, ForcedCall, Message, SamplingParams
+from localchat.engine.runtime.tool_calls import forced_call_prefix
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TOOLS = (WEATHER, TIME)
+FAMILY = {"glm-bf16": "glm4v_moe", "gpt-oss-mxfp4": "gpt_oss"}
+QUESTION = (Message.text("user", "Weather in Paris?"),)
+
+# (fixture, forced call, what the model writes after the forced start, the token that ends its turn)
+SCRIPTS = [
+    ("glm-bf16", ForcedCall(), "get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+                               "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>", "<|observation|>"),
+    ("glm-bf16", ForcedCall("get_weather"), "<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+                                            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+     "<|observation|>"),
+    ("gpt-oss-mxfp4", ForcedCall(), 'get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}', "<|call|>"),
+    ("gpt-oss-mxfp4", ForcedCall("get_weather"), '{"city": "Paris", "days": 3}', "<|call|>"),
+]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """One CPU engine per fixture, made when first asked for."""
+    made = {}
+
+    def get(name: str) -> Engine:
+        if name not in made:
+            made[name] = Engine(open_fixture(name), device="cpu", dtype="float32", block_size=4)
+        return made[name]
+
+    yield get
+    for engine in made.values():
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("name,forced,tail", [
+    ("glm-bf16", ForcedCall(), "<|user|>\nWeather in Paris?/nothink<|assistant|>\n<think></think>\n<tool_call>"),
+    ("glm-bf16", ForcedCall("get_time"),
+     "<|user|>\nWeather in Paris?/nothink<|assistant|>\n<think></think>\n<tool_call>get_time\n"),
+    ("gpt-oss-mxfp4", ForcedCall(),
+     "<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant<|channel|>commentary to=functions."),
+    ("gpt-oss-mxfp4", ForcedCall("get_time"), "<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant"
+                                              "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>"),
+])
+def test_the_prompt_ends_with_the_start_of_the_call(engines, name, forced, tail):
+    formatter = engines(name).formatter
+    text = formatter.render(ChatRequest(QUESTION, tools=TOOLS, forced_call=forced))
+    assert text.endswith(tail)
+    # the template's own prompt (GLM's with thinking off, its think block closed empty), then the start
+    unforced = formatter.render(ChatRequest(QUESTION, tools=TOOLS, thinking=False))
+    assert text == unforced + formatter.answer_prefix(ChatRequest(QUESTION, tools=TOOLS, forced_call=forced))
+    assert text != formatter.render(ChatRequest(QUESTION, tools=TOOLS))
+    # the markers are the tokenizer's own tokens, not their spelling
+    ids = formatter.build(ChatRequest(QUESTION, tools=TOOLS, forced_call=forced)).input_ids
+    last = "<tool_call>" if tail.endswith("<tool_call>") else "<|message|>" if tail.endswith("<|message|>") else None
+    if last:
+        assert ids[-1] == formatter.tokenizer.convert_tokens_to_ids(last)
+
+
+def _pieces(text, rng):
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(20, len(text) - 1))))
+    return [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+
+
+@pytest.mark.parametrize("name,forced,continuation,end", SCRIPTS + [
+    # the name written straight up to the message, with no <|constrain|>
+    ("gpt-oss-mxfp4", ForcedCall(), "get_time<|message|>{}", "<|call|>"),
+])
+def test_the_parser_reads_the_forced_start_then_the_models_text(name, forced, continuation, end):
+    rng = random.Random(0)
+    prefix = forced_call_prefix(FAMILY[name], forced, TOOLS)
+    for pieces in [[continuation]] + [_pieces(continuation, rng) for _ in range(50)]:
+        parser = reasoning_parser(FAMILY[name], thinking=False, tools=TOOLS)
+        outs = [parser.feed(prefix)] + [parser.feed(p) for p in pieces] + [parser.finish()]
+        assert all(out == ("", "") for out in outs)  # nothing leaks into the answer or the reasoning
+        [call] = parser.calls
+        expected = ("get_time", {}) if "get_time" in continuation else ("get_weather", {"city": "Paris", "days": 3})
+        assert (call.name, json.loads(call.arguments)) == expected
+
+
+def test_a_forced_call_must_be_one_of_the_tools():
+    for family in FAMILY.values():
+        assert forced_call_prefix(family, None, TOOLS) == ""
+        with pytest.raises(ValueError, match="not among the request's tools"):
+            forced_call_prefix(family, ForcedCall("get_stock"), TOOLS)
+        with pytest.raises(ValueError, match="needs tools"):
+            forced_call_prefix(family, ForcedCall(), ())
+
+
+@pytest.mark.parametrize("name,forced,continuation,end", SCRIPTS)
+def test_the_engine_streams_a_forced_call_like_a_chosen_one(engines, name, forced, continuation, end, monkeypatch):
+    engine = engines(name)
+    tokenizer = engine.formatter.tokenizer
+    tokens = iter(tokenizer(continuation, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids(end)])
+    # the model's choices replaced by the script, one token a step
+    monkeypatch.setattr(engine_module, "sample_tokens", lambda logits, samplers, contexts: [next(tokens)])
+    items = list(engine.submit(ChatRequest(QUESTION, SamplingParams(max_tokens=100), tools=TOOLS, forced_call=forced)))
+    deltas, final = [d for d in items if isinstance(d, Delta)], items[-1]
+    assert isinstance(final, Final) and final.finish_reason == "tool_calls", final
+    assert "".join(d.text for d in deltas) == "" and "".join(d.reasoning for d in deltas) == ""
+    assert [(c.name, json.loads(c.arguments)) for d in deltas for c in d.tool_calls] == \
+        [("get_weather", {"city": "Paris", "days": 3})]
+
+
+def test_the_engine_refuses_a_forced_call_it_cannot_make(engines):
+    engine = engines("glm-bf16")
+    final = list(engine.submit(ChatRequest(QUESTION, tools=(WEATHER,), forced_call=ForcedCall("get_time"))))[-1]
+    assert final.finish_reason == "error" and "'get_time' is not among the request's tools" in final.error
