@@ -10,7 +10,9 @@
 # (the MXFP4 TMA row kernels held to fewer registers a thread for more programs an SM: GPU tests, then
 # their time per MoE kernel against the default at 4-48 tokens), generations (the kernel forms the
 # launchers choose for Ampere, Ada and consumer Blackwell, run on this GPU against their references;
-# the loader on the GPU, --quantize fp8 included).
+# the loader on the GPU, --quantize fp8 included), targets (the kernel table for the MoE and decode
+# attention, the MXFP4 MoE with and without the down register cap, decode attention at batch 1
+# against its tile, stages and warps).
 # Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
@@ -53,4 +55,10 @@ step registers-default && timeout "${REGD_TESTS_S:-120}" python3 -m pytest -m gp
 for mode in on off on; do
   step registers-default && timeout "${REGD_S:-150}" python3 bench/registers_ab.py $mode -- $REG_BENCH 2>&1 | tee -a "$OUT/registers_ab.log" | grep -E "DOWN_REGISTERS|batch|tok/s|floor" | tail -8
 done
+# where the targets stand: the kernel table for the MoE and decode attention, the MXFP4 MoE at 16-48
+# tokens with the down cap (the default) against without it, decode attention at batch 1 over key
+# tiles of 64 and 128, one or two stages, four or eight warps
+step targets && timeout "${TARGETS_BENCH_S:-200}" python3 bench/bench_kernels.py --only moe,attention 2>&1 | tee "$OUT/targets_bench.log" | tail -40
+step targets && timeout "${TARGETS_MOE_S:-200}" python3 bench/moe_breakdown.py --ts 32,16,48 --only mxfp4 --rows "$REG_BASE/P" 2>&1 | tee "$OUT/targets_moe.log" | grep -E "graph|failed"
+step targets && timeout "${TARGETS_ATTN_S:-240}" python3 bench/bench_attention_splits.py --batches 1 --ctx 8192 --splits 0,64,128 --block-n 64,128 --stages 1,2 --warps 4,8 2>&1 | tee "$OUT/targets_attention.log"
 exit 0
