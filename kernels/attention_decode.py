@@ -218,14 +218,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            sinks: torch.Tensor | None = None, window: int | None = None,
                            num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 2) -> torch.Tensor:
+                           num_stages: int = 2, max_registers: int = 0) -> torch.Tensor:
     """q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
     int32; context_lens [B] int32 (>= 1, the query's own key included); sinks [Hq] or None;
     window: keys i - window < j <= i. Returns [B, Hq, D] in q.dtype. num_splits, block_n (keys
     per tile), num_warps and num_stages of the split kernel: the compiler's pipeline over the key
-    tiles (two stages measured faster than three or four at batch 1-8, bench/bench_attention_splits.py)."""
+    tiles (two stages measured faster than three or four at batch 1-8, bench/bench_attention_splits.py);
+    max_registers: registers a thread of the split kernel may hold (the launch's maxnreg; 0: the
+    compiler's choice), for more programs an SM."""
     return _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sinks, window, None,
-                             num_splits, block_n, num_warps, num_stages)
+                             num_splits, block_n, num_warps, num_stages, max_registers)
 
 
 def rotary_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -233,7 +235,7 @@ def rotary_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                             slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                             scale: float, sinks: torch.Tensor | None = None, window: int | None = None,
                             num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-                            num_stages: int = 2) -> torch.Tensor:
+                            num_stages: int = 2, max_registers: int = 0) -> torch.Tensor:
     """apply_rotary(q, k, cos, sin, v, k_cache, v_cache, slot_mapping) followed by
     paged_decode_attention on the rotated q, in the attention launches alone: q [B, Hq, D], k / v
     [B, Hkv, D] the new token's projections before rotation, cos / sin [B, R] its angles (as
@@ -249,18 +251,18 @@ def rotary_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         raise ValueError(f"k and v [B, Hkv, D] must match the cache's heads and be contiguous along head_dim, got "
                          f"{tuple(k.shape)} / {tuple(v.shape)}")
     return _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sinks, window,
-                             (k, v, cos, sin, slot_mapping), num_splits, block_n, num_warps, num_stages)
+                             (k, v, cos, sin, slot_mapping), num_splits, block_n, num_warps, num_stages, max_registers)
 
 
 def rotary_decode_attention_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens,
                                 scale, sinks=None, window=None, num_splits=None, block_n=64, num_warps=4,
-                                num_stages=2):
+                                num_stages=2, max_registers=0):
     q_rot, _ = apply_rotary_ref(q, k, cos, sin, v, k_cache, v_cache, slot_mapping)
     return paged_decode_attention_ref(q_rot, k_cache, v_cache, block_tables, context_lens, scale, sinks, window)
 
 
 def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sinks, window, rotary,
-                      num_splits, block_n, num_warps, num_stages) -> torch.Tensor:
+                      num_splits, block_n, num_warps, num_stages, max_registers=0) -> torch.Tensor:
     bsz, hq, d = q.shape
     _, block_size, hkv, dk = k_cache.shape
     if dk != d or hq % hkv or d & (d - 1):
@@ -293,7 +295,7 @@ def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, si
         scale * LOG2E, window or 0, block_size, hq, *new_kv,
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, **rot,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **(dict(maxnreg=max_registers) if max_registers else {}))
     if direct:
         return out
     _decode_combine_kernel[(bsz, hq)](
@@ -329,7 +331,7 @@ def attention_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sinks=None, window=None,
-                               num_splits=None, block_n=64, num_warps=4, num_stages=2) -> torch.Tensor:
+                               num_splits=None, block_n=64, num_warps=4, num_stages=2, max_registers=0) -> torch.Tensor:
     outs = []
     for b in range(q.shape[0]):
         ctx = int(context_lens[b])
