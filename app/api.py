@@ -4,7 +4,10 @@ Wire format follows the OpenAI Chat Completions reference (https://platform.open
 `chat.completion` objects, `chat.completion.chunk` SSE events ending in `data: [DONE]`, and
 errors as {"error": {"message", "type", "param", "code"}}. Reasoning goes in `reasoning_content`
 beside `content`, the field name vLLM and llama.cpp use for reasoning parsers. Function calling
-(`tools`, `tool_calls`, `tool` messages) is translated in api_tools.py.
+(`tools`, `tool_calls`, `tool` messages) is translated in api_tools.py, `logprobs` and
+`top_logprobs` in api_logprobs.py: one entry per generated token, reasoning and markup tokens
+included, streamed in the chunk that releases its text or, when its text is held back or hidden,
+in the next chunk sent.
 The body is parsed by hand, not by pydantic, so every malformed request gets the OpenAI error shape.
 Model cards carry localchat's own facts (placement, weight and KV-cache memory) under the extra key
 "localchat", beside the standard id/object/created/owned_by fields.
@@ -31,11 +34,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
+from localchat.app.api_logprobs import LogprobsError, logprobs_json, parse_logprobs
 from localchat.app.api_tools import ToolsError, parse_tool_calls, parse_tools, tool_call_json
 from localchat.app.defaults import ANSWER_TOKENS
 from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_image
 from localchat.engine.runtime.request import (
-    ChatEngine, ChatRequest, Delta, Final, Message, ModelInfo, RequestStream, SamplingParams, TextPart,
+    ChatEngine, ChatRequest, Delta, Final, Message, ModelInfo, RequestStream, SamplingParams, TextPart, TokenLogprob,
 )
 
 DEFAULT_MAX_TOKENS = ANSWER_TOKENS
@@ -73,6 +77,10 @@ class ParsedRequest:
     chat: ChatRequest
     stream: bool
     include_usage: bool
+
+    @property
+    def logprobs(self) -> bool:
+        return self.chat.sampling.logprobs is not None
 
 
 def create_api(engine: ChatEngine, *, api_key: str | None = None,
@@ -135,22 +143,24 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
                 return _failure(first).response()
             source = _EventSource(stream, it, first)
             return StreamingResponse(
-                _sse(source, cid, created, info.name, parsed.include_usage),
+                _sse(source, cid, created, info.name, parsed.include_usage, parsed.logprobs),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 background=BackgroundTask(source.close_unless_finished))
         collected = await _unless_gone(request, stream, run_in_threadpool(_collect, stream))
         if collected is _GONE:
             return Response(status_code=499)  # nobody reads it; the request was aborted
-        text, reasoning, calls, final = collected
+        final = collected.final
         if final.finish_reason == "error":
             return _failure(final).response()
+        text, calls = collected.text, collected.calls
         message = {"role": "assistant", "content": text if text or not calls else None}
-        if reasoning:
-            message["reasoning_content"] = reasoning
+        if collected.reasoning:
+            message["reasoning_content"] = collected.reasoning
         if calls:
             message["tool_calls"] = [tool_call_json(c) for c in calls]
+        logprobs = logprobs_json(collected.logprobs) if parsed.logprobs else None
         return {"id": cid, "object": "chat.completion", "created": created, "model": info.name,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                              "finish_reason": _finish(final.finish_reason)}],
                 "usage": _usage(final), "timings": _timings(final)}
 
@@ -176,9 +186,10 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
     if body.get("n") not in (None, 1):
         raise ApiError(400, f"localchat answers one choice per request: 'n' must be 1 (got {body['n']!r}); "
                             "send several requests for several answers.", param="n")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise ApiError(400, "localchat does not return log probabilities: leave out 'logprobs' and "
-                            "'top_logprobs'.", param="logprobs")
+    try:
+        logprobs = parse_logprobs(body)
+    except LogprobsError as e:
+        raise ApiError(400, e.message, param=e.param)
     try:
         tools, forced_call = parse_tools(body)
     except ToolsError as e:
@@ -214,6 +225,7 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
             _number(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
                     1, 1, info.context_length, integer=True)),
         stop=stop or (),
+        logprobs=logprobs,
     )
     effort = body.get("reasoning_effort", "medium")
     if effort not in ("none", "minimal", "low", "medium", "high"):
@@ -368,20 +380,32 @@ async def _unless_gone(request: Request, stream: RequestStream, work):
             return _GONE
 
 
-def _collect(stream: RequestStream) -> tuple[str, str, list, Final]:
-    text, reasoning, calls, final = [], [], [], None
+@dataclass(frozen=True)
+class _Answer:
+    """A whole answer read from an engine stream."""
+
+    text: str
+    reasoning: str
+    calls: list
+    logprobs: list[TokenLogprob]
+    final: Final
+
+
+def _collect(stream: RequestStream) -> _Answer:
+    text, reasoning, calls, logprobs, final = [], [], [], [], None
     try:
         for item in stream:
             if isinstance(item, Delta):
                 text.append(item.text)
                 reasoning.append(item.reasoning)
                 calls += item.tool_calls
+                logprobs += item.logprobs
             else:
                 final = item
     finally:
         if final is None:
             stream.close()
-    return "".join(text), "".join(reasoning), calls, final
+    return _Answer("".join(text), "".join(reasoning), calls, logprobs, final)
 
 
 class _EventSource:
@@ -406,12 +430,19 @@ class _EventSource:
             self.stream.close()
 
 
-async def _sse(source: _EventSource, cid: str, created: int, model: str, include_usage: bool):
+async def _sse(source: _EventSource, cid: str, created: int, model: str, include_usage: bool,
+               logprobs: bool = False):
     """SSE events; leaving early (client gone: Starlette cancels this generator) closes the
-    engine stream, which aborts the request."""
+    engine stream, which aborts the request. With `logprobs`, each chunk carries the entries of
+    the tokens read since the last chunk sent (null when there are none): a token whose text is
+    held back or hidden has its entry sent with the next chunk, at the latest the finishing one."""
+    pending: list[TokenLogprob] = []
+
     def event(delta: dict, finish: str | None = None, usage: dict | None = None) -> str:
+        entries = logprobs_json(pending) if logprobs and pending and not usage else None
+        pending.clear()
         chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [] if usage else [{"index": 0, "delta": delta, "logprobs": None,
+                 "choices": [] if usage else [{"index": 0, "delta": delta, "logprobs": entries,
                                                "finish_reason": finish}]}
         if include_usage:  # as OpenAI does: null on every chunk but the last
             chunk["usage"] = usage
@@ -428,6 +459,7 @@ async def _sse(source: _EventSource, cid: str, created: int, model: str, include
                 final = item
                 source.finished = True
                 continue
+            pending.extend(item.logprobs)
             delta = {}
             if item.reasoning:
                 delta["reasoning_content"] = item.reasoning

@@ -8,11 +8,14 @@ arrives as `delta.reasoning_content` (vLLM's reasoning parsers, SGLang, localcha
 `delta.reasoning` (newer vLLM). top_k, min_p, repetition_penalty and `chat_template_kwargs`
 are extra body fields both vLLM and SGLang accept. Tools, a forced call (as `tool_choice`), tool
 calls and tool results are forwarded; the calls streamed back (id and name once, the arguments in
-pieces, by index) are handed on whole when the answer ends.
+pieces, by index) are handed on whole when the answer ends. `logprobs` / `top_logprobs` are
+forwarded, and each chunk's `choices[].logprobs.content` is handed on as it came (without token
+ids, which OpenAI's format does not carry).
 """
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import queue
@@ -24,7 +27,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from ..engine.runtime.request import (
-    ChatRequest, Delta, Final, ForcedCall, ImagePart, Message, ModelInfo, StreamItem, TextPart, Timings, ToolCall,
+    ChatRequest, Delta, Final, ForcedCall, ImagePart, Message, ModelInfo, StreamItem, TextPart, Timings, TokenLogprob,
+    ToolCall,
 )
 from ..engine.spec import SamplingDefaults
 from .api_tools import tool_call_json
@@ -111,6 +115,10 @@ class RemoteEngine:
             body["tools"] = list(request.tools)
         if request.forced_call is not None:
             body["tool_choice"] = _wire_tool_choice(request.forced_call)
+        if sp.logprobs is not None:
+            body["logprobs"] = True
+            if sp.logprobs:
+                body["top_logprobs"] = sp.logprobs
         return body
 
 
@@ -184,11 +192,13 @@ class RemoteStream:
                         d = choice.get("delta") or {}
                         text = d.get("content") or ""
                         reasoning = d.get("reasoning_content") or d.get("reasoning") or ""
+                        entries = _token_logprobs(choice.get("logprobs"))
                         if text or reasoning:
                             last = time.perf_counter()
                             first = first or last
                             pieces += 1
-                            self._items.put(Delta(text=text, reasoning=reasoning))
+                        if text or reasoning or entries:
+                            self._items.put(Delta(text=text, reasoning=reasoning, logprobs=entries))
                         _gather_tool_calls(calls, d.get("tool_calls"))
                         if choice.get("finish_reason"):
                             reason = choice["finish_reason"]
@@ -271,6 +281,32 @@ def _gather_tool_calls(calls: dict[int, dict], deltas: object) -> None:
         call["name"] = fn.get("name") or call["name"]
         if isinstance(fn.get("arguments"), str):
             call["arguments"].append(fn["arguments"])
+
+
+def _token_logprobs(logprobs: object) -> tuple[TokenLogprob, ...]:
+    """A chunk choice's OpenAI `logprobs` ({"content": [{token, logprob, bytes, top_logprobs}]})
+    as entries; malformed ones are left out."""
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    out = []
+    for item in content if isinstance(content, list) else []:
+        entry = _token_logprob(item)
+        if entry is not None:
+            top = item.get("top_logprobs")
+            alternatives = (_token_logprob(t) for t in (top if isinstance(top, list) else []))
+            out.append(dataclasses.replace(entry, top=tuple(t for t in alternatives if t is not None)))
+    return tuple(out)
+
+
+def _token_logprob(item: object) -> TokenLogprob | None:
+    """One {token, logprob, bytes} object, or None when it is not one."""
+    if not isinstance(item, dict) or not isinstance(item.get("token"), str):
+        return None
+    logprob, raw = item.get("logprob"), item.get("bytes")
+    if isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
+        return None
+    if not (isinstance(raw, list) and all(isinstance(b, int) and 0 <= b < 256 for b in raw)):
+        raw = None
+    return TokenLogprob(None, item["token"], float(logprob), None if raw is None else tuple(raw))
 
 
 def _wire_message(m: Message) -> dict:

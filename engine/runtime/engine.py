@@ -29,6 +29,7 @@ from .prefix_cache import image_spans
 from .prompt import ChatFormatter
 from .request import ChatRequest, Final, ModelInfo, Timings
 from .inflight import InFlightStep
+from .logprobs import RowLogprobs, TokenNames, host_logprobs, token_logprobs
 from .sampling import Sampler, choose_tokens, sample_tokens
 from .scheduler import Scheduler
 from .sequence import EngineStream, Sequence, Status
@@ -97,6 +98,7 @@ class Engine:
                kv_headroom_bytes: int | None = None, cuda_graphs: bool | None = None,
                decode_ahead: bool = True, weights_format: str | None = None) -> None:
         self.spec, self.model, self.formatter = spec, model, formatter
+        self.token_names = TokenNames(formatter.tokenizer)  # the engine thread's, for logprob entries
         self.weights_format = weights_format or describe_weights(spec, dtype)
         self.device, self.dtype, self.name = device, dtype, name
         self.weights_bytes = weights_bytes
@@ -267,7 +269,8 @@ class Engine:
                                  request.tools, prefix=self.formatter.answer_prefix(request))
         sampler = Sampler(sp, self.device, prompt_len=len(prompt.input_ids))
         return Sequence(next(self._ids), stream, prompt, sampler, text, limit=limit, eos_ids=self.spec.eos_token_ids,
-                        block_size=self.block_size, spans=spans, mrope=mrope, dropped_messages=dropped)
+                        block_size=self.block_size, spans=spans, mrope=mrope, dropped_messages=dropped,
+                        token_names=self.token_names)
 
     # ---- engine thread ----------------------------------------------------------------------
 
@@ -358,16 +361,18 @@ class Engine:
         self.scheduler.commit(plan)
         if not sampling:
             return
-        for seq, token in zip(sampling, self._sample(sampling, logits)):
-            self._emit(seq, token, done)
+        tokens = self._sample(sampling, logits)
+        logprobs = host_logprobs(logits, tokens, [seq.sampler for seq in sampling])
+        for seq, token, values in zip(sampling, tokens, logprobs):
+            self._emit(seq, token, done, values)
 
-    def _emit(self, seq: Sequence, token: int | Exception, done: float) -> None:
+    def _emit(self, seq: Sequence, token: int | Exception, done: float, logprobs: RowLogprobs | None = None) -> None:
         if seq.clock.prefill_done is None:
             seq.clock.prefill_done = done
         if isinstance(token, Exception):
             self._finish(seq, "error", f"{type(token).__name__}: {token}")
             return
-        reason = seq.append_token(token)
+        reason = seq.append_token(token, logprobs)
         if reason is not None:
             self._finish(seq, reason)
 
@@ -419,12 +424,16 @@ class Engine:
             step = nxt
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> InFlightStep:
-        """Queues the choice of each row's token behind the step; if that fails, samples row by
-        row on the host (the failing row gets the error) and no step is launched after this one."""
+        """Queues the choice of each row's token (and the log-probabilities of the rows that asked)
+        behind the step; if that fails, samples row by row on the host (the failing row gets the
+        error) and no step is launched after this one."""
+        samplers = [seq.sampler for seq in seqs]
         try:
-            return InFlightStep(seqs, choose_tokens(logits, [seq.sampler for seq in seqs], [None] * len(seqs)))
+            ids = choose_tokens(logits, samplers, [None] * len(seqs))
         except Exception:
-            return InFlightStep(seqs, None, self._sample(seqs, logits))
+            tokens = self._sample(seqs, logits)
+            return InFlightStep.chosen_on_host(seqs, tokens, host_logprobs(logits, tokens, samplers))
+        return InFlightStep(seqs, ids, token_logprobs(logits, ids, samplers))
 
     def _ahead(self, step: InFlightStep) -> list[Sequence]:
         """The sequences of `step` that go into a step launched now, after it (their blocks
@@ -450,10 +459,11 @@ class Engine:
         after it was launched are dropped."""
         tokens = step.tokens()
         done = time.perf_counter()
-        live = [(seq, token) for seq, token in zip(step.seqs, tokens) if seq.status is Status.RUNNING]
-        self.scheduler.commit([(seq, 1) for seq, _ in live])
-        for seq, token in live:
-            self._emit(seq, token, done)
+        live = [(seq, token, values) for seq, token, values in zip(step.seqs, tokens, step.logprobs())
+                if seq.status is Status.RUNNING]
+        self.scheduler.commit([(seq, 1) for seq, _, _ in live])
+        for seq, token, values in live:
+            self._emit(seq, token, done, values)
 
 
 class RequestTooLong(ValueError):

@@ -72,7 +72,10 @@ class Message:
 class SamplingParams:
     """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters. presence_penalty
     and frequency_penalty (OpenAI's, 0: off) count the generated tokens only; repetition_penalty
-    (1.0: off) the whole context."""
+    (1.0: off) the whole context. logprobs: None returns no log-probabilities; 0 returns each
+    generated token's own (Delta.logprobs); N > 0 also the N most likely tokens at its position.
+    They are the model's distribution (log_softmax of the raw logits), before the penalties,
+    temperature and filters above change it for sampling."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -84,6 +87,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 1024
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -121,14 +125,34 @@ class ChatRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the model (natural log). token: the token's text on its
+    own (the tokenizer's decode of that one id; U+FFFD where the token is only part of a multi-byte
+    character); bytes: its exact UTF-8 bytes, so that the bytes of consecutive tokens join into
+    the text (None: unknown); id: its vocabulary id (None when a remote server sent it). top: for
+    a generated token, the most likely tokens at its position, most likely first (as many as
+    SamplingParams.logprobs asks); empty for those alternatives themselves."""
+
+    id: int | None
+    token: str
+    logprob: float
+    bytes: tuple[int, ...] | None = None
+    top: tuple["TokenLogprob", ...] = ()
+
+
+@dataclass(frozen=True)
 class Delta:
     """New answer text, new reasoning text and the token ids that produced them; tool_calls: calls
-    the model finished writing with these tokens (each whole)."""
+    the model finished writing with these tokens (each whole). logprobs: when the request asked
+    (SamplingParams.logprobs), one entry per generated token in generation order, markup and the
+    end-of-turn token included; a token's entry may come in a Delta without its id or text (the
+    end-of-sequence token's, which is not in token_ids)."""
 
     text: str = ""
     reasoning: str = ""
     token_ids: tuple[int, ...] = ()
     tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ def sample_tokens(logits: torch.Tensor, samplers: list[Sampler], contexts: list[
     return choose_tokens(logits, samplers, contexts).tolist()
 
 
-def _to(device: torch.device, values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
+def to_device(device: torch.device, values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A small host list on `device` without waiting for the work queued there (a blocking
     host-to-device copy would wait for the step in flight)."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -111,7 +111,8 @@ def _to(device: torch.device, values: list, dtype: torch.dtype | None = None) ->
 
 def choose_tokens(logits: torch.Tensor, samplers: list[Sampler], contexts: list[torch.Tensor | None]) -> torch.Tensor:
     """sample_tokens, leaving the chosen ids [B] int64 on the logits' device: every operation is
-    queued behind the step that produces the logits, and nothing waits for it."""
+    queued behind the step that produces the logits, and nothing waits for it. `logits` itself is
+    left as it was (penalties work on a copy): logprobs.py reads the raw values after."""
     logits = logits.to(torch.float32)
     penalised = [b for b, s in enumerate(samplers) if s.penalised and contexts[b] is not None]
     if penalised:
@@ -123,13 +124,13 @@ def choose_tokens(logits: torch.Tensor, samplers: list[Sampler], contexts: list[
     if rows:
         dev = logits.device
         params = [samplers[b].params for b in rows]
-        picked_rows = _to(dev, rows) if len(rows) < len(samplers) else None
-        temps = _to(dev, [p.temperature for p in params], torch.float32)
+        picked_rows = to_device(dev, rows) if len(rows) < len(samplers) else None
+        temps = to_device(dev, [p.temperature for p in params], torch.float32)
         scaled = (logits if picked_rows is None else logits.index_select(0, picked_rows)) / temps[:, None]
         sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-        kept = filter_sorted(sorted_logits, _to(dev, [p.top_k for p in params]),
-                             _to(dev, [p.top_p for p in params], torch.float32),
-                             _to(dev, [p.min_p for p in params], torch.float32))
+        kept = filter_sorted(sorted_logits, to_device(dev, [p.top_k for p in params]),
+                             to_device(dev, [p.top_p for p in params], torch.float32),
+                             to_device(dev, [p.min_p for p in params], torch.float32))
         probs = torch.softmax(kept, dim=-1)
         # argmax(p / E) with E ~ Exp(1) draws index i with probability p_i (the exponential race);
         # each row draws from its own request's generator so a seed reproduces its answer.

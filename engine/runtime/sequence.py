@@ -19,6 +19,7 @@ from enum import Enum
 
 import torch
 
+from .logprobs import RowLogprobs, TokenNames
 from .prefix_cache import BlockKeys, ImageSpan
 from .prompt import Prompt
 from .request import ChatRequest, Delta, Final, StreamItem, Timings
@@ -82,12 +83,15 @@ class SeqClock:
 class Sequence:
     def __init__(self, seq_id: int, stream: EngineStream, prompt: Prompt, sampler: Sampler | None,
                  text: TextAssembler, *, limit: int, eos_ids: tuple[int, ...], block_size: int,
-                 spans: list[ImageSpan], mrope: tuple[torch.Tensor, int] | None, dropped_messages: int = 0):
+                 spans: list[ImageSpan], mrope: tuple[torch.Tensor, int] | None, dropped_messages: int = 0,
+                 token_names: TokenNames | None = None):
         """limit: the most tokens (prompt + generated) this sequence may reach.
         mrope: GLM's ([3, prompt_len] positions, delta), None for 1-D positions = slot.
-        dropped_messages: the request's messages left out of the prompt to fit the context."""
+        dropped_messages: the request's messages left out of the prompt to fit the context.
+        token_names: names the tokens of logprob entries (needed when the request asks for them)."""
         self.seq_id = seq_id
         self.dropped_messages = dropped_messages
+        self.token_names = token_names
         self.stream = stream
         self.prompt = prompt
         self.tokens = list(prompt.input_ids)
@@ -181,17 +185,21 @@ class Sequence:
 
     # ---- output ---------------------------------------------------------------------------
 
-    def append_token(self, token: int) -> str | None:
-        """Records a sampled token and streams its text; returns a finish reason or None."""
+    def append_token(self, token: int, logprobs: RowLogprobs | None = None) -> str | None:
+        """Records a sampled token and streams its text, and its logprob entry when the request
+        asked (`logprobs`: its values); returns a finish reason or None."""
         now = time.perf_counter()
         if self.clock.first_token is None:
             self.clock.first_token = now
         self.clock.last_token = now
         self.tokens.append(token)
+        entry = () if logprobs is None else (self.token_names.entry(token, logprobs),)
         if token in self.eos_ids:
+            if entry:  # the end-of-sequence token has no text, but it counts among the completion tokens
+                self.stream.items.put(Delta(logprobs=entry))
             return "stop"
         answer, reasoning = self.text.push(token)
-        self.stream.items.put(Delta(answer, reasoning, (token,), self.text.take_tool_calls()))
+        self.stream.items.put(Delta(answer, reasoning, (token,), self.text.take_tool_calls(), entry))
         if self.text.stopped:
             return "stop"
         if len(self.generated) >= self.max_tokens:

@@ -5,14 +5,16 @@ tests can check what reached the engine. With `reasoning="thinking"` and `reques
 first streams reasoning deltas the way a GLM <think> splitter would. Every `close()` is recorded
 in `engine.closed` so tests can assert that Stop / a client disconnect reached the engine. Given
 `calls` and a request with tools, it answers with those tool calls (finish_reason "tool_calls").
+A request that asks for logprobs gets one made-up entry per delta (its text as the token).
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Iterator
 
 from localchat.engine.runtime.request import (
-    ChatRequest, Delta, Final, ImagePart, ModelInfo, StreamItem, TextPart, Timings, ToolCall,
+    ChatRequest, Delta, Final, ImagePart, ModelInfo, StreamItem, TextPart, Timings, TokenLogprob, ToolCall,
 )
 from localchat.engine.spec import SamplingDefaults
 
@@ -42,7 +44,7 @@ class FakeStream:
             deltas.append(Delta(text=self.engine.extra_markdown, token_ids=(4,)))
         prompt_tokens = sum(len(p.text.split()) if isinstance(p, TextPart) else 64
                             for m in req.messages for p in m.content)
-        return deltas[: req.sampling.max_tokens], prompt_tokens
+        return [_with_logprobs(d, req.sampling.logprobs) for d in deltas[: req.sampling.max_tokens]], prompt_tokens
 
     def __iter__(self) -> Iterator[StreamItem]:
         deltas, prompt_tokens = self._script()
@@ -65,6 +67,20 @@ class FakeStream:
             self.finish_reason = "abort"
         self._closed.set()
         self.engine.closed.append(self)
+
+
+def _with_logprobs(delta: Delta, wanted: int | None) -> Delta:
+    """The delta with a made-up entry for its one token when logprobs are asked for: the token is
+    its text, its log-probability -0.25 x its id, and `wanted` alternatives follow it."""
+    if wanted is None:
+        return delta
+    text = delta.text or delta.reasoning
+
+    def entry(token_id: int, token: str) -> TokenLogprob:
+        return TokenLogprob(token_id, token, -0.25 * token_id, tuple(token.encode()))
+
+    top = tuple(entry(delta.token_ids[0] + k, f"alt{k}") for k in range(wanted))
+    return dataclasses.replace(delta, logprobs=(dataclasses.replace(entry(delta.token_ids[0], text), top=top),))
 
 
 class FakeEngine:

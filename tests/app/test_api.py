@@ -114,7 +114,9 @@ def test_errors_use_openai_format(api):
               "messages[1].tool_calls[0]"),
              ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
              ({"messages": [{"role": "user", "content": "x"}], "stop": {"a": 1}}, "stop"),
-             ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+             ({"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, "logprobs"),
+             ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+             ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
              ({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 2.5}, "frequency_penalty"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
               "messages[0].content[0]")]

@@ -200,3 +200,34 @@ def test_streamed_tool_call_fragments_are_joined_by_index():
         _gather_tool_calls(calls, chunk)
     assert [(c["id"], c["name"], "".join(c["arguments"])) for _, c in sorted(calls.items())] == \
         [("a", "f", '{"x": 1}'), ("b", "g", "")]
+
+
+def test_logprobs_are_asked_of_the_backend_and_its_entries_passed_on(server):
+    from localchat.engine.runtime.request import TokenLogprob
+
+    engine, url = server
+    remote = RemoteEngine(url, api_key=KEY)
+    items = list(remote.submit(ask("hi", logprobs=2)))
+    assert engine.requests[-1].sampling.logprobs == 2
+    deltas = [i for i in items if isinstance(i, Delta)]
+    entries = [e for d in deltas for e in d.logprobs]
+    assert len(entries) == items[-1].completion_tokens == 10
+    assert "".join(e.token for e in entries) == "".join(d.reasoning + d.text for d in deltas)
+    first = entries[0]
+    assert first == TokenLogprob(None, "Let ", -0.25, tuple(b"Let "),
+                                 (TokenLogprob(None, "alt0", -0.25, tuple(b"alt0")),
+                                  TokenLogprob(None, "alt1", -0.5, tuple(b"alt1"))))
+    list(remote.submit(ask("hi", logprobs=0)))
+    assert engine.requests[-1].sampling.logprobs == 0
+    assert "logprobs" not in remote._body(ask("hi")) and "top_logprobs" not in remote._body(ask("hi", logprobs=0))
+    list(remote.submit(ask("hi")))
+    assert engine.requests[-1].sampling.logprobs is None
+
+
+def test_malformed_logprob_entries_from_a_backend_are_left_out():
+    from localchat.app.remote import _token_logprobs
+
+    got = _token_logprobs({"content": [{"token": "a", "logprob": -1, "bytes": [97], "top_logprobs": [{"token": 1}]},
+                                       {"token": "b"}, "junk", {"token": "c", "logprob": -0.5, "bytes": None}]})
+    assert [(e.token, e.logprob, e.bytes, e.top) for e in got] == [("a", -1.0, (97,), ()), ("c", -0.5, None, ())]
+    assert _token_logprobs(None) == () and _token_logprobs({"content": None}) == ()
