@@ -55,13 +55,13 @@ step registers-default && timeout "${REGD_TESTS_S:-120}" python3 -m pytest -m gp
 for mode in on off on; do
   step registers-default && timeout "${REGD_S:-150}" python3 bench/registers_ab.py $mode -- $REG_BENCH 2>&1 | tee -a "$OUT/registers_ab.log" | grep -E "DOWN_REGISTERS|batch|tok/s|floor" | tail -8
 done
-# where the targets stand: the kernel table for the MoE and decode attention, the MXFP4 MoE at 16-48
-# tokens with the down cap (the default) against without it; decode attention's GPU tests, then at
-# batch 1 over key tiles of 64 and 128 and one or two stages, and in the engine's form (rotary inside)
-# at batch 1 and 8 held to 128 registers a thread or not
-step targets && timeout "${TARGETS_BENCH_S:-200}" python3 bench/bench_kernels.py --only moe,attention 2>&1 | tee "$OUT/targets_bench.log" | tail -40
-step targets && timeout "${TARGETS_MOE_S:-200}" python3 bench/moe_breakdown.py --ts 32,16,48 --only mxfp4 --rows "$REG_BASE/P" 2>&1 | tee "$OUT/targets_moe.log" | grep -E "graph|failed"
-step targets && timeout 120 python3 -m pytest -m gpu tests/kernels/test_attention_decode.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/targets_attention_gpu.log" | tail -4
-step targets && timeout "${TARGETS_ATTN_S:-200}" python3 bench/bench_attention_splits.py --batches 1 --ctx 8192 --splits 0,64,128 --block-n 64,128 --stages 1,2 2>&1 | tee "$OUT/targets_attention.log"
-step targets && timeout "${TARGETS_ROT_S:-240}" python3 bench/bench_attention_splits.py --rotary --batches 1,8 --ctx 8192 --splits 0,48,64 --block-n 64 --stages 1,2 --max-registers 0,128 2>&1 | tee "$OUT/targets_attention_rotary.log"
+# where the targets stand: the MXFP4 MoE at 16-48 tokens with the down cap (the default) against
+# without it; decode attention's GPU tests, then its engine form (rotary inside) at batch 1 and 8
+# with one or two stages, held to 128 registers a thread or not, and the plain form at batch 1 over
+# key tiles of 64 and 128; last the kernel table for the MoE and decode attention
+step targets && timeout "${TARGETS_MOE_S:-150}" python3 bench/moe_breakdown.py --ts 32,16,48 --only mxfp4 --rows "$REG_BASE/P" 2>&1 | tee "$OUT/targets_moe.log" | grep -E "graph|failed"
+step targets && timeout 100 python3 -m pytest -m gpu tests/kernels/test_attention_decode.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/targets_attention_gpu.log" | tail -4
+step targets && timeout "${TARGETS_ROT_S:-150}" python3 bench/bench_attention_splits.py --rotary --batches 1,8 --ctx 8192 --splits 0,48 --block-n 64 --stages 1,2 --max-registers 0,128 2>&1 | tee "$OUT/targets_attention_rotary.log"
+step targets && timeout "${TARGETS_ATTN_S:-100}" python3 bench/bench_attention_splits.py --batches 1 --ctx 8192 --splits 0,128 --block-n 64,128 --stages 1,2 2>&1 | tee "$OUT/targets_attention.log"
+step targets && timeout "${TARGETS_BENCH_S:-150}" python3 bench/bench_kernels.py --only moe,attention 2>&1 | tee "$OUT/targets_bench.log" | tail -40
 exit 0

@@ -92,7 +92,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
     of kernels/rotary.py (angles cos / sin [B, R]) is applied to q here, and the program whose key
     range holds the new token (position ctx - 1) rotates its key, stores key and value in the cache
     at slots[b] (skipped when negative) and adds them to its sums from registers, so no program
-    reads that cache slot in this launch and the rotary launch before attention is saved."""
+    reads that cache slot in this launch and the rotary launch before attention is saved. That
+    program counts the new key first, then its cached keys."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -115,20 +116,16 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
         # rounded to q's dtype as the rotary kernel's output is
         q = rotate_loaded(q, q_rows, d[None, :], g_mask[:, None], cos_ptr + b * stride_c, sin_ptr + b * stride_c,
                           R).to(q_ptr.dtype.element_ty)
-        loop_end = tl.minimum(end, ctx - 1)  # the new key joins from registers below
+        loop_end = tl.minimum(end, ctx - 1)  # the new key joins from registers
     q = (q.to(tl.float32) * qk_scale).to(k_ptr.dtype.element_ty)  # scale folded in, log2 domain
 
     m = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((G_PAD,), dtype=tl.float32)
     acc = tl.zeros((G_PAD, D), dtype=tl.float32)
-    table_row = tables_ptr + b * stride_tb
-    for j0 in range(start, loop_end, BLOCK_N):
-        page = _tile_pages(table_row, j0, loop_end, block_size, BLOCK_N)
-        k, v = _tile_kv(k_ptr, v_ptr, kvh, page, j0, loop_end, block_size, stride_kb, stride_ks, stride_kh,
-                        stride_vb, stride_vs, stride_vh, d, BLOCK_N)
-        m, l, acc = _attend_tile(q, k, v, j0 + tl.arange(0, BLOCK_N) < loop_end, m, l, acc)
-
     if ROTARY:
+        # The new key before the cached ones: taken after the loop, its loads and rotation were
+        # held in registers through the loop (GLM-4.5V: 154 registers a thread against 120 this
+        # way, three programs an SM against four; Triton 3.6, sm_90)
         if (start <= ctx - 1) & (ctx - 1 < end):
             kn_row = kn_ptr + b * stride_knb + kvh * stride_knh
             kn = tl.load(kn_row + d)
@@ -140,7 +137,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
                 page, offset = slot // block_size, slot % block_size
                 tl.store(k_ptr + page * stride_kb + offset * stride_ks + kvh * stride_kh + d, kn)
                 tl.store(v_ptr + page * stride_vb + offset * stride_vs + kvh * stride_vh + d, vn)
-            # one more key, as a tile of one: the same products and roundings as the dots above
+            # one key, as a tile of one: the same products and roundings as the dots below
             s_new = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], axis=1)
             m_new = tl.maximum(m, s_new)
             alpha = tl.exp2(m - m_new)
@@ -148,6 +145,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
             l = l * alpha + p
             acc = acc * alpha[:, None] + p.to(vn.dtype).to(tl.float32)[:, None] * vn.to(tl.float32)[None, :]
             m = m_new
+
+    table_row = tables_ptr + b * stride_tb
+    for j0 in range(start, loop_end, BLOCK_N):
+        page = _tile_pages(table_row, j0, loop_end, block_size, BLOCK_N)
+        k, v = _tile_kv(k_ptr, v_ptr, kvh, page, j0, loop_end, block_size, stride_kb, stride_ks, stride_kh,
+                        stride_vb, stride_vs, stride_vh, d, BLOCK_N)
+        m, l, acc = _attend_tile(q, k, v, j0 + tl.arange(0, BLOCK_N) < loop_end, m, l, acc)
 
     if NUM_SPLITS == 1:  # the whole key range: finish as the combine would
         if HAS_SINKS:
