@@ -324,6 +324,15 @@ TMA_ROWS = [
 # One-pair gate/up 184: five programs an SM instead of four; both downs 160: six instead of five
 # (at 152 the one-pair down spills in the loop under Triton 3.9, not 3.6).
 REGISTER_CAPS = [(TMA_ROWS[0], 184), (TMA_ROWS[1], 160), (TMA_ROWS[3], 160)]
+# kernels held to a register count by how they are written, not by a cap: the engine's decode
+# attention at GLM-4.5V's shapes fits four programs of four warps an SM at 128 (three at the 154
+# it held with the new key counted after the key loop; bench/NOTES-attention.md)
+REGISTER_BUDGETS = [
+    (("decode attention split with the new token's rotation and cache write, GLM-4.5V, as launched",
+      _decode_split_kernel, ROTARY_ATTENTION,
+      dict(G=12, G_PAD=16, D=128, BLOCK_N=64, NUM_SPLITS=64, HAS_WINDOW=False, HAS_SINKS=False, ROTARY=True, R=64),
+      4, 2), 128),
+]
 
 PIPELINED = [
     (f"MXFP4 gate/up half2 n8 k256 w1, 3 stages, 16-byte activation loads {wide}", moe_gate_up_half2_kernel, HALF2,
@@ -429,6 +438,12 @@ def main() -> int:
                              lambda: compile_kernel(fn, types, constexprs, warps, stages, divisible=True,
                                                     max_registers=cap),
                              MEASURED_ARCH, True, True, more=within_cap)
+    for (name, fn, types, constexprs, warps, stages), budget in REGISTER_BUDGETS:
+        def within_budget(kernel, budget=budget):
+            assert registers(kernel) <= budget, f"{registers(kernel)} registers"
+
+        failed += not _check(f"{name}: at most {budget} registers", lambda: compile_kernel(
+            fn, types, constexprs, warps, stages, divisible=True), MEASURED_ARCH, True, False, more=within_budget)
     for arch in OTHER_GPUS:
         major, minor = arch.capability
         failed += check_target(arch, f"sm_{major}{minor}: ")
