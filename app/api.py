@@ -4,10 +4,10 @@ Wire format follows the OpenAI Chat Completions reference (https://platform.open
 `chat.completion` objects, `chat.completion.chunk` SSE events ending in `data: [DONE]`, and
 errors as {"error": {"message", "type", "param", "code"}}. Reasoning goes in `reasoning_content`
 beside `content`, the field name vLLM and llama.cpp use for reasoning parsers. Function calling
-(`tools`, `tool_calls`, `tool` messages) is translated in api_tools.py, `logprobs` and
-`top_logprobs` in api_logprobs.py: one entry per generated token, reasoning and markup tokens
-included, streamed in the chunk that releases its text or, when its text is held back or hidden,
-in the next chunk sent.
+(`tools`, `tool_calls`, `tool` messages) is translated in api_tools.py, `response_format` (JSON
+mode) in api_format.py, `logprobs` and `top_logprobs` in api_logprobs.py: one entry per generated
+token, reasoning and markup tokens included, streamed in the chunk that releases its text or,
+when its text is held back or hidden, in the next chunk sent.
 The body is parsed by hand, not by pydantic, so every malformed request gets the OpenAI error shape.
 Model cards carry localchat's own facts (placement, weight and KV-cache memory) under the extra key
 "localchat", beside the standard id/object/created/owned_by fields.
@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
+from localchat.app.api_format import FormatError, parse_response_format
 from localchat.app.api_logprobs import LogprobsError, logprobs_json, parse_logprobs
 from localchat.app.api_tools import ToolsError, parse_tool_calls, parse_tools, tool_call_json
 from localchat.app.defaults import ANSWER_TOKENS
@@ -194,9 +195,10 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
         tools, forced_call = parse_tools(body)
     except ToolsError as e:
         raise ApiError(400, e.message, param=e.param)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise ApiError(400, "Only response_format {'type': 'text'} is supported.", param="response_format")
+    try:
+        response_format = parse_response_format(body, tools)
+    except FormatError as e:
+        raise ApiError(400, e.message, param=e.param)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ApiError(400, "'messages' must be a non-empty list.", param="messages")
@@ -240,7 +242,7 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
     include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
     chat = ChatRequest(messages, sampling, thinking=thinking,
                        reasoning_effort=effort if effort in ("low", "medium", "high") else "low", tools=tools,
-                       forced_call=forced_call)
+                       forced_call=forced_call, response_format=response_format)
     return ParsedRequest(chat, stream, include_usage)
 
 

@@ -10,7 +10,8 @@ are extra body fields both vLLM and SGLang accept. Tools, a forced call (as `too
 calls and tool results are forwarded; the calls streamed back (id and name once, the arguments in
 pieces, by index) are handed on whole when the answer ends. `logprobs` / `top_logprobs` are
 forwarded, and each chunk's `choices[].logprobs.content` is handed on as it came (without token
-ids, which OpenAI's format does not carry).
+ids, which OpenAI's format does not carry). JSON mode is forwarded as `response_format`
+{"type": "json_object"}, which vLLM and SGLang enforce with their own constrained decoding.
 """
 from __future__ import annotations
 
@@ -115,6 +116,8 @@ class RemoteEngine:
             body["tools"] = list(request.tools)
         if request.forced_call is not None:
             body["tool_choice"] = _wire_tool_choice(request.forced_call)
+        if request.response_format != "text":
+            body["response_format"] = {"type": request.response_format}
         if sp.logprobs is not None:
             body["logprobs"] = True
             if sp.logprobs:

@@ -19,6 +19,7 @@ import torch
 
 from ..spec import ModelSpec
 from .block_pool import BlockPool
+from .constrained import JsonVocabulary, choose_rows, json_answer_for
 from .context_fit import fit_to_context
 from .failures import unrecoverable
 from .decode_graphs import DecodeGraphs
@@ -51,7 +52,8 @@ class Engine:
     steps from captured graphs; each batch-size bucket is captured on first use, or all by `warmup()`.
     decode_ahead (default on, with graphs in one process) launches each decode step before the
     previous one's tokens reach the host, so sampling, streaming and scheduling on the host
-    overlap the GPU's next step instead of leaving it idle.
+    overlap the GPU's next step instead of leaving it idle (not while a running request's tokens
+    are chosen on the host: penalties, JSON mode).
 
     tp > 1 splits the model over tp processes, one per GPU (`gpus`, default 0..tp-1; on the CPU,
     tp processes), each reading only its slices of the checkpoint; ep splits the routed experts
@@ -99,6 +101,7 @@ class Engine:
                decode_ahead: bool = True, weights_format: str | None = None) -> None:
         self.spec, self.model, self.formatter = spec, model, formatter
         self.token_names = TokenNames(formatter.tokenizer)  # the engine thread's, for logprob entries
+        self.json_vocabulary = JsonVocabulary(formatter.tokenizer, spec.vocab_size, spec.eos_token_ids, device)
         self.weights_format = weights_format or describe_weights(spec, dtype)
         self.device, self.dtype, self.name = device, dtype, name
         self.weights_bytes = weights_bytes
@@ -246,6 +249,7 @@ class Engine:
             raise ValueError(f"max_tokens must be at least 1 (got {sp.max_tokens})")
         limit = self.context_limit
         with self._format_lock:
+            json_answer = json_answer_for(request, self.json_vocabulary)  # None unless JSON mode
             prompt, dropped = fit_to_context(request, self.formatter.build, limit)
         n = len(prompt.input_ids)
         if n >= limit:
@@ -266,11 +270,12 @@ class Engine:
                 spans = image_spans(prompt, self.spec.image_tokens.image, self.spec.vision.spatial_merge_size)
         with self._format_lock:
             text = TextAssembler(self.formatter.tokenizer, self.spec.family, self.formatter.thinks(request), sp.stop,
-                                 request.tools, prefix=self.formatter.answer_prefix(request))
+                                 request.tools, prefix=self.formatter.answer_prefix(request),
+                                 plain=json_answer is not None)
         sampler = Sampler(sp, self.device, prompt_len=len(prompt.input_ids))
         return Sequence(next(self._ids), stream, prompt, sampler, text, limit=limit, eos_ids=self.spec.eos_token_ids,
                         block_size=self.block_size, spans=spans, mrope=mrope, dropped_messages=dropped,
-                        token_names=self.token_names)
+                        token_names=self.token_names, json_answer=json_answer)
 
     # ---- engine thread ----------------------------------------------------------------------
 
@@ -333,16 +338,23 @@ class Engine:
         request whose settings broke it gets the error."""
         contexts = [seq.penalty_context(logits.device) for seq in sampling]
         try:
-            return sample_tokens(logits, [seq.sampler for seq in sampling], contexts)
+            return self._choose_on_host(sampling, logits, contexts)
         except Exception:
             out: list[int | Exception] = []
             for row, seq in enumerate(sampling):
                 try:
-                    out += sample_tokens(logits[row:row + 1], [seq.sampler], [contexts[row]])
+                    out += self._choose_on_host([seq], logits[row:row + 1], [contexts[row]])
                 except Exception as e:  # e.g. sampling settings that leave no token
                     log.exception("sampling failed")
                     out.append(e)
             return out
+
+    def _choose_on_host(self, seqs: list[Sequence], logits: torch.Tensor, contexts: list) -> list[int]:
+        """logits [B, V]: one token per sequence; JSON-mode rows by their constraint (constrained.py)."""
+        samplers = [seq.sampler for seq in seqs]
+        if all(seq.json_answer is None for seq in seqs):
+            return sample_tokens(logits, samplers, contexts)
+        return choose_rows(logits, samplers, contexts, [seq.json_answer for seq in seqs], sample_tokens)
 
     def _step(self, plan: list[tuple[Sequence, int]]) -> None:
         if self._runs_ahead(plan):
@@ -386,9 +398,10 @@ class Engine:
     # those blocks writes them behind it on the same stream.
 
     def _runs_ahead(self, plan: list[tuple[Sequence, int]]) -> bool:
-        # Every running sequence must be in it: the run goes on without the scheduler.
+        # Every running sequence must be in it: the run goes on without the scheduler. A sequence
+        # whose token is chosen on the host (penalties, JSON mode) holds the batch to one step at a time.
         return (self.decode_ahead and len(plan) == len(self.scheduler.running) and self.runner.graph_ready(plan)
-                and not any(seq.needs_context for seq, _ in plan))
+                and not any(seq.chooses_on_host for seq, _ in plan))
 
     def _decode_ahead(self, plan: list[tuple[Sequence, int]]) -> None:
         """Decode steps, each launched before the previous one's tokens are on the host, until

@@ -100,7 +100,7 @@ def host_logprobs(logits: torch.Tensor, tokens: list, samplers: list[Sampler]) -
     return [None if isinstance(t, Exception) else row for t, row in zip(tokens, found.per_row(len(tokens)))]
 
 
-def _byte_of_symbol() -> dict[str, int]:
+def byte_of_symbol() -> dict[str, int]:
     """Byte-level BPE (GPT-2's scheme, which GLM's and gpt-oss's tokenizers use) writes each byte
     as one printable character: the printable Latin-1 bytes as themselves, the other 68 (controls,
     space, DEL, NBSP, soft hyphen) as U+0100 onwards, in byte order. Returns symbol -> byte."""
@@ -125,7 +125,7 @@ class TokenNames:
         self.tokenizer = tokenizer
         # The fast tokenizer's Rust backend decodes without the Python wrapper's clean-up.
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.byte_of = _byte_of_symbol()
+        self.byte_of = byte_of_symbol()
         self.known: dict[int, tuple[str, tuple[int, ...]]] = {}
 
     def name(self, token_id: int) -> tuple[str, tuple[int, ...]]:
@@ -151,10 +151,16 @@ class TokenNames:
         return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _bytes(self, token_id: int, text: str) -> tuple[int, ...]:
-        symbol = self.tokenizer.convert_ids_to_tokens(token_id)
-        if isinstance(symbol, str) and symbol and all(c in self.byte_of for c in symbol):
-            raw = bytes(self.byte_of[c] for c in symbol)
-            # The check keeps out symbols that only look byte-level (e.g. SentencePiece pieces).
-            if raw.decode("utf-8", errors="replace") == text:
-                return tuple(raw)
-        return tuple(text.encode("utf-8"))
+        return tuple(token_bytes(self.tokenizer.convert_ids_to_tokens(token_id), text, self.byte_of))
+
+
+def token_bytes(symbol, text: str, byte_of: dict[str, int]) -> bytes:
+    """A token's exact bytes from its vocabulary symbol when that is a byte-level BPE symbol
+    decoding to `text` (the token's decode alone), else the UTF-8 encoding of `text`; byte_of:
+    byte_of_symbol()."""
+    if isinstance(symbol, str) and symbol and all(c in byte_of for c in symbol):
+        raw = bytes(byte_of[c] for c in symbol)
+        # The check keeps out symbols that only look byte-level (e.g. SentencePiece pieces).
+        if raw.decode("utf-8", errors="replace") == text:
+            return raw
+    return text.encode("utf-8")

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..spec import ModelSpec
+from .constrained import json_answer_prefix
 from .request import ChatRequest, ImagePart, Message, TextPart, ToolCall
 from .tool_calls import forced_call_prefix
 
@@ -145,14 +146,18 @@ class ChatFormatter:
         self.special_texts = tuple(sorted({t for t in added if len(t) > 1}, key=len, reverse=True))
 
     def answer_prefix(self, request: ChatRequest) -> str:
-        """The part of the answer the prompt already holds: the start of a forced call ("" when the
-        model decides). The output parser must read it before the generated text."""
+        """The part of the answer the prompt already holds: the start of a forced call, or in JSON
+        mode gpt-oss's final-channel header ("" when the model decides). The output parser must
+        read a forced call's start before the generated text."""
+        if request.response_format == "json_object":
+            return json_answer_prefix(self.spec.family)
         return forced_call_prefix(self.spec.family, request.forced_call, request.tools)
 
     def thinks(self, request: ChatRequest) -> bool:
         """Whether GLM thinks before answering. A forced call starts the answer, so the think block
-        before it is closed empty (gpt-oss likewise goes to the call's channel, skipping analysis)."""
-        return request.thinking and request.forced_call is None
+        before it is closed empty (gpt-oss likewise goes to the call's channel, skipping analysis);
+        so does JSON mode, whose constraint holds for the answer only."""
+        return request.thinking and request.forced_call is None and request.response_format == "text"
 
     def render(self, request: ChatRequest) -> str:
         prefix = self.answer_prefix(request)

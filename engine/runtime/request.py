@@ -112,7 +112,11 @@ class ChatRequest:
     (JSON schema)}}; the chat template shows them to the model and its calls come back as
     Delta.tool_calls. forced_call: None lets the model decide whether to call; a ForcedCall makes
     the answer start with a call to one of `tools`, with no thinking (GLM) or analysis (gpt-oss)
-    before it."""
+    before it. response_format: "text" (free text), or "json_object" (JSON mode): every token is
+    chosen so that the answer is one JSON object, which ends the answer when it closes (finish
+    reason "stop"; "length" when cut off first); the model answers at once, with no thinking (GLM)
+    or analysis (gpt-oss), and JSON mode takes no tools and no stop strings
+    (engine/runtime/constrained.py)."""
 
     messages: tuple[Message, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -122,6 +126,7 @@ class ChatRequest:
     dropped_hint: int = 0
     tools: tuple[dict, ...] = ()
     forced_call: ForcedCall | None = None
+    response_format: Literal["text", "json_object"] = "text"
 
 
 @dataclass(frozen=True)

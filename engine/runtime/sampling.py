@@ -122,21 +122,44 @@ def choose_tokens(logits: torch.Tensor, samplers: list[Sampler], contexts: list[
     rows = [b for b, s in enumerate(samplers) if not s.greedy]
     choice = logits.argmax(dim=-1) if len(rows) < len(samplers) else None
     if rows:
-        dev = logits.device
-        params = [samplers[b].params for b in rows]
-        picked_rows = to_device(dev, rows) if len(rows) < len(samplers) else None
-        temps = to_device(dev, [p.temperature for p in params], torch.float32)
-        scaled = (logits if picked_rows is None else logits.index_select(0, picked_rows)) / temps[:, None]
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-        kept = filter_sorted(sorted_logits, to_device(dev, [p.top_k for p in params]),
-                             to_device(dev, [p.top_p for p in params], torch.float32),
-                             to_device(dev, [p.min_p for p in params], torch.float32))
-        probs = torch.softmax(kept, dim=-1)
-        # argmax(p / E) with E ~ Exp(1) draws index i with probability p_i (the exponential race);
-        # each row draws from its own request's generator so a seed reproduces its answer.
-        race = torch.empty_like(probs)
-        for i, b in enumerate(rows):
-            race[i].exponential_(generator=samplers[b].generator)
-        picked = order.gather(1, (probs / race).argmax(dim=-1, keepdim=True))[:, 0]
+        picked_rows = to_device(logits.device, rows) if len(rows) < len(samplers) else None
+        scores, order = race_scores(logits if picked_rows is None else logits.index_select(0, picked_rows),
+                                    [samplers[b] for b in rows])
+        picked = order.gather(1, scores.argmax(dim=-1, keepdim=True))[:, 0]
         choice = picked if picked_rows is None else choice.index_copy(0, picked_rows, picked)
     return choice
+
+
+def race_scores(logits: torch.Tensor, samplers: list[Sampler]) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] float32 of sampled rows (temperature > 0), samplers[r] row r's. Returns
+    (scores [R, V], order [R, V]): scores[r, j] belongs to token order[r, j], the row's j-th most
+    likely after its temperature; the row's draw is the token of its highest score, and ranking
+    by score gives the order in which the draw would have taken the tokens one after another.
+
+    argmax(p / E) with E ~ Exp(1) draws index i with probability p_i (the exponential race); each
+    row draws from its own request's generator so a seed reproduces its answer. Tokens the
+    top-k / top-p / min-p filters exclude score 0."""
+    dev = logits.device
+    params = [s.params for s in samplers]
+    temps = to_device(dev, [p.temperature for p in params], torch.float32)
+    sorted_logits, order = torch.sort(logits / temps[:, None], dim=-1, descending=True)
+    kept = filter_sorted(sorted_logits, to_device(dev, [p.top_k for p in params]),
+                         to_device(dev, [p.top_p for p in params], torch.float32),
+                         to_device(dev, [p.min_p for p in params], torch.float32))
+    probs = torch.softmax(kept, dim=-1)
+    race = torch.empty_like(probs)
+    for r, sampler in enumerate(samplers):
+        race[r].exponential_(generator=sampler.generator)
+    return probs / race, order
+
+
+def ranked_tokens(logits: torch.Tensor, sampler: Sampler, count: int) -> list[int]:
+    """logits [V] float32, one row with its penalties applied. Up to `count` token ids in the order
+    the row's sampler would take them: greedy by logit; sampled by race_scores (one draw from
+    the row's generator, as choose_tokens makes), leaving out the tokens the filters exclude."""
+    if sampler.greedy:
+        top = torch.topk(logits, min(count, logits.shape[-1]))
+        return top.indices[top.values > float("-inf")].tolist()
+    scores, order = race_scores(logits[None], [sampler])
+    top = torch.topk(scores[0], min(count, scores.shape[-1]))
+    return order[0].index_select(0, top.indices[top.values > 0]).tolist()

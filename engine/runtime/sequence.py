@@ -19,6 +19,7 @@ from enum import Enum
 
 import torch
 
+from .constrained import JsonAnswer
 from .logprobs import RowLogprobs, TokenNames
 from .prefix_cache import BlockKeys, ImageSpan
 from .prompt import Prompt
@@ -84,11 +85,12 @@ class Sequence:
     def __init__(self, seq_id: int, stream: EngineStream, prompt: Prompt, sampler: Sampler | None,
                  text: TextAssembler, *, limit: int, eos_ids: tuple[int, ...], block_size: int,
                  spans: list[ImageSpan], mrope: tuple[torch.Tensor, int] | None, dropped_messages: int = 0,
-                 token_names: TokenNames | None = None):
+                 token_names: TokenNames | None = None, json_answer: JsonAnswer | None = None):
         """limit: the most tokens (prompt + generated) this sequence may reach.
         mrope: GLM's ([3, prompt_len] positions, delta), None for 1-D positions = slot.
         dropped_messages: the request's messages left out of the prompt to fit the context.
-        token_names: names the tokens of logprob entries (needed when the request asks for them)."""
+        token_names: names the tokens of logprob entries (needed when the request asks for them).
+        json_answer: the answer's JSON state in JSON mode (its tokens are chosen by it), else None."""
         self.seq_id = seq_id
         self.dropped_messages = dropped_messages
         self.token_names = token_names
@@ -98,6 +100,7 @@ class Sequence:
         self.prompt_len = len(self.tokens)
         self.sampler = sampler
         self.text = text
+        self.json_answer = json_answer
         self.max_tokens = min(stream.request.sampling.max_tokens, limit - self.prompt_len)
         self.eos_ids = eos_ids
         self.spans = spans
@@ -173,9 +176,10 @@ class Sequence:
         return torch.cat(parts) if parts else None
 
     @property
-    def needs_context(self) -> bool:
-        """Whether choosing its next token reads the ids so far (a penalty)."""
-        return self._penalty_ctx
+    def chooses_on_host(self) -> bool:
+        """Whether choosing its next token needs the host after each step: a penalty reads the ids
+        so far, JSON mode the answer's state."""
+        return self._penalty_ctx or self.json_answer is not None
 
     def penalty_context(self, device) -> torch.Tensor | None:
         """The ids the penalties look at (prompt, then generated), or None when the request has none."""
@@ -198,9 +202,11 @@ class Sequence:
             if entry:  # the end-of-sequence token has no text, but it counts among the completion tokens
                 self.stream.items.put(Delta(logprobs=entry))
             return "stop"
+        if self.json_answer is not None:
+            self.json_answer.append(token)
         answer, reasoning = self.text.push(token)
         self.stream.items.put(Delta(answer, reasoning, (token,), self.text.take_tool_calls(), entry))
-        if self.text.stopped:
+        if self.text.stopped or (self.json_answer is not None and self.json_answer.complete):
             return "stop"
         if len(self.generated) >= self.max_tokens:
             return "length"

@@ -7,15 +7,32 @@ from .detokenize import IncrementalDetokenizer
 from .reasoning import reasoning_parser
 
 
+class PlainAnswer:
+    """An output parser for an answer without markup: all of it is answer text."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def feed(self, text: str) -> tuple[str, str]:
+        return text, ""
+
+    def finish(self) -> tuple[str, str]:
+        return "", ""
+
+
 class TextAssembler:
     def __init__(self, tokenizer, family: str, thinking: bool, stop: tuple[str, ...] = (),
-                 tools: tuple[dict, ...] = (), prefix: str = ""):
+                 tools: tuple[dict, ...] = (), prefix: str = "", plain: bool = False):
         """prefix: answer text the prompt already ends with (a forced call's start,
-        ChatFormatter.answer_prefix); the parser reads it first, and it is never shown."""
+        ChatFormatter.answer_prefix); the parser reads it first, and it is never shown. plain: the
+        answer is exactly the generated text, read by no output parser (nor is `prefix`) and with no
+        special-token text removed (JSON mode, whose tokens write one JSON object and never markup:
+        a tag spelled out inside one of its strings is the model's text, not a channel or a call)."""
         self.detok = IncrementalDetokenizer(tokenizer)
-        self.parser = reasoning_parser(family, thinking, tools)
-        # A forced call's start leaves the parser inside the call, where nothing is released yet.
-        self.parser.feed(prefix)
+        self.parser = PlainAnswer() if plain else reasoning_parser(family, thinking, tools)
+        if not plain:
+            # A forced call's start leaves the parser inside the call, where nothing is released yet.
+            self.parser.feed(prefix)
         self.called = 0  # tool calls handed out so far
         self.stop = tuple(s for s in stop if s)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
@@ -26,6 +43,8 @@ class TextAssembler:
         # Special tokens that may leak into text (end-of-turn markers) are never shown.
         self.hidden = tuple(t for t in tokenizer.all_special_tokens if t not in ("<think>", "</think>"))
         self.hidden = tuple(t for t in self.hidden if not t.startswith("<|begin_of_box") and not t.startswith("<|end_of_box"))
+        if plain:
+            self.hidden = ()
 
     def _clean(self, text: str) -> str:
         for t in self.hidden:

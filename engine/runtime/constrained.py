@@ -1,0 +1,205 @@
+"""JSON mode (ChatRequest.response_format "json_object"): the answer is one JSON object, because
+each of its tokens is chosen among those whose text continues it (json_constraint.py checks).
+
+A JSON row's token is chosen on the host, every step: its candidates are ranked in the order its
+sampler would take them (greedy: by logit; sampled: the same penalties, temperature and top-k /
+top-p / min-p filters and the same exponential race from the request's own generator as the
+other rows, so a seed reproduces the answer), the first CANDIDATES of them come to the host, and
+the first whose text continues the object is taken. When none of them does (the model wants to
+write something JSON does not allow there), the rest of the vocabulary is searched in logit order
+and the most likely token that continues the object is taken, whatever the filters said: the
+filters shape a distribution that no longer holds once most of it is forbidden.
+
+Special and added tokens (markup such as `<think>`, `<|channel|>`, `<tool_call>`, end-of-turn
+ids) never continue an object, and neither does whitespace that would make a run of more than
+MAX_BLANK_RUN characters between JSON tokens. The answer ends, finish reason "stop", with the
+token that closes the object (whitespace after it in the same token is allowed), so no
+end-of-turn token is needed.
+The other rows of the batch are sampled together as before, unchanged by the JSON rows.
+"""
+from __future__ import annotations
+
+import torch
+
+from .json_constraint import START_STATE, JsonState, advance, between_tokens, is_complete
+from .logprobs import byte_of_symbol, token_bytes
+from .request import ChatRequest
+from .sampling import Sampler, ranked_tokens, to_device
+
+CANDIDATES = 64  # candidates checked in the sampler's order before the whole vocabulary is searched
+# Whitespace characters in a row between JSON tokens: enough for any indentation, and a model
+# caught writing blank lines must go on with the object instead of filling its answer with them.
+MAX_BLANK_RUN = 64
+_WHITESPACE = " \t\n\r"
+_SEARCH_CHUNK = 1024  # tokens brought to the host at a time by that search
+_NON_ASCII = 128  # first-character code of a token starting with a byte from 0x80 on
+_NEVER = 129  # first-character code of a token that never continues an object
+
+# What the prompt ends with in JSON mode, after the generation prompt: gpt-oss goes straight to its
+# final channel (no analysis); GLM-4.5V's template closes an empty think block itself when thinking
+# is off (ChatFormatter.thinks).
+_JSON_ANSWER_PREFIX = {"glm4v_moe": "", "gpt_oss": "<|channel|>final<|message|>"}
+
+
+def json_answer_prefix(family: str) -> str:
+    """The start of a JSON-mode answer that the prompt already holds."""
+    if family not in _JSON_ANSWER_PREFIX:
+        raise ValueError(f"JSON mode is not supported for the {family} family")
+    return _JSON_ANSWER_PREFIX[family]
+
+
+def check_json_request(request: ChatRequest) -> None:
+    """Raises ValueError, saying what to change, for what cannot be combined with JSON mode."""
+    if request.tools or request.forced_call is not None:
+        raise ValueError("JSON mode cannot be combined with tools: the answer must be one JSON object, and a "
+                         "function call is not one; leave the tools out, or force a call to a function whose "
+                         "parameters are the object you want instead of JSON mode")
+    if request.sampling.stop:
+        raise ValueError("JSON mode cannot be combined with stop strings: the answer ends when its object "
+                         "closes, and a stop string would cut the object short; leave the stop strings out")
+
+
+class JsonVocabulary:
+    """Each token id's text as the JSON automaton reads it: its exact bytes, one character per byte
+    (Latin-1), so that a piece of a multi-byte character is a non-ASCII character like the whole
+    one (allowed inside strings only). None for tokens that never continue an object: special and
+    added tokens, the `excluded` ids (end-of-turn), ids past the tokenizer's vocabulary (the
+    embedding's padding) and tokens without text. Built on first use (`build`), once per engine:
+    it decodes the whole vocabulary."""
+
+    def __init__(self, tokenizer, vocab_size: int, excluded: tuple[int, ...], device: torch.device):
+        self.tokenizer, self.vocab_size, self.excluded, self.device = tokenizer, vocab_size, excluded, device
+        self.texts: list[str | None] | None = None
+        self.first_codes: torch.Tensor | None = None  # [V] int64: each token's first-character code
+
+    def build(self) -> "JsonVocabulary":
+        if self.texts is None:
+            texts = _token_texts(self.tokenizer, self.vocab_size, self.excluded)
+            codes = [_NEVER if t is None else min(ord(t[0]), _NON_ASCII) for t in texts]
+            self.first_codes = torch.tensor(codes).to(self.device)
+            self.texts = texts
+        return self
+
+    def text(self, token: int) -> str | None:
+        return self.texts[token] if 0 <= token < len(self.texts) else None
+
+    def first_character_allowed(self, state: JsonState) -> torch.Tensor:
+        """[V] bool on the device: whether each token's first character may come next. Necessary
+        for the token to continue the object, not sufficient (the rest of its text must too)."""
+        allowed = [advance(state, chr(c)) is not None for c in range(_NON_ASCII)]
+        allowed += [advance(state, chr(_NON_ASCII)) is not None, False]
+        return to_device(self.device, allowed, torch.bool)[self.first_codes]
+
+
+def _token_texts(tokenizer, vocab_size: int, excluded: tuple[int, ...]) -> list[str | None]:
+    known = min(len(tokenizer), vocab_size)
+    ids = list(range(known))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        decoded = backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    else:
+        decoded = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False)
+    symbols = tokenizer.convert_ids_to_tokens(ids)
+    never = set(tokenizer.added_tokens_decoder) | set(tokenizer.all_special_ids) | set(excluded)
+    byte_of = byte_of_symbol()
+    texts: list[str | None] = [None] * vocab_size
+    for i in ids:
+        if i not in never:
+            raw = token_bytes(symbols[i], decoded[i], byte_of)
+            texts[i] = raw.decode("latin-1") if raw else None
+    return texts
+
+
+class NoValidToken(RuntimeError):
+    pass
+
+
+class JsonAnswer:
+    """One request's answer in JSON mode: the automaton's state after the tokens chosen so far
+    (and how many whitespace characters between JSON tokens end it), and the choice of the next
+    token."""
+
+    def __init__(self, vocabulary: JsonVocabulary):
+        self.vocabulary = vocabulary.build()
+        self.state = START_STATE
+        self.blank_run = 0
+
+    @property
+    def complete(self) -> bool:
+        return is_complete(self.state)
+
+    def after(self, token: int) -> tuple[JsonState, int] | None:
+        """(state, blank run) after `token`, or None when it does not continue the object."""
+        text = self.vocabulary.text(token)
+        state = None if text is None else advance(self.state, text)
+        if state is None:
+            return None
+        run = _blank_run(self.blank_run, text, state)
+        return (state, run) if run <= MAX_BLANK_RUN else None
+
+    def append(self, token: int) -> None:
+        after = self.after(token)
+        if after is None:
+            raise ValueError(f"token {token} does not continue the JSON answer")
+        self.state, self.blank_run = after
+
+    def choose(self, logits: torch.Tensor, sampler: Sampler, context: torch.Tensor | None) -> int:
+        """logits [V]: the row's raw logits; context: the ids the penalties read (None: none). The
+        first candidate in the sampler's order that continues the object, else the most likely
+        token anywhere that does."""
+        logits = logits.to(torch.float32)
+        if context is not None and sampler.penalised:
+            logits = sampler.penalise(logits, context)
+        for token in ranked_tokens(logits, sampler, CANDIDATES):
+            if self.after(token) is not None:
+                return token
+        return self._most_likely_valid(logits)
+
+    def _most_likely_valid(self, logits: torch.Tensor) -> int:
+        """logits [V] float32. Searches only the tokens whose first character may come next, most
+        likely first, a chunk at a time."""
+        ids = self.vocabulary.first_character_allowed(self.state).nonzero()[:, 0]
+        order = ids.index_select(0, torch.argsort(logits.index_select(0, ids), descending=True))
+        for start in range(0, order.numel(), _SEARCH_CHUNK):
+            for token in order[start:start + _SEARCH_CHUNK].tolist():
+                if self.after(token) is not None:
+                    return token
+        raise NoValidToken("no token of the vocabulary continues the JSON answer here; the tokenizer lacks the "
+                           "characters JSON needs")
+
+
+def _blank_run(before: int, text: str, state: JsonState) -> int:
+    """The whitespace run between JSON tokens that ends the answer once `text` (which led to
+    `state`) is read, given the run `before` it. Trailing whitespace that ends between tokens
+    was read between tokens: a string, number or literal ends on another character."""
+    if not between_tokens(state):
+        return 0
+    trailing = len(text) - len(text.rstrip(_WHITESPACE))
+    return before + trailing if trailing == len(text) else trailing
+
+
+def choose_rows(logits: torch.Tensor, samplers: list[Sampler], contexts: list[torch.Tensor | None],
+                answers: list[JsonAnswer | None], sample_free) -> list[int]:
+    """logits [B, V]; samplers[b], contexts[b] (penalty ids or None) and answers[b] (None for a
+    row in free text) belong to row b. The free rows are chosen together by
+    sample_free(logits [F, V], samplers, contexts) (sampling.sample_tokens), exactly as in a batch
+    of their own; each JSON row by its JsonAnswer. Returns the B chosen ids."""
+    chosen = [0] * len(samplers)
+    free = [b for b, answer in enumerate(answers) if answer is None]
+    if free:
+        rows = logits if len(free) == len(samplers) else logits.index_select(0, to_device(logits.device, free))
+        for b, token in zip(free, sample_free(rows, [samplers[b] for b in free], [contexts[b] for b in free])):
+            chosen[b] = token
+    for b, answer in enumerate(answers):
+        if answer is not None:
+            chosen[b] = answer.choose(logits[b], samplers[b], contexts[b])
+    return chosen
+
+
+def json_answer_for(request: ChatRequest, vocabulary: JsonVocabulary) -> JsonAnswer | None:
+    """A new answer state for a JSON-mode request (checked: check_json_request), None otherwise."""
+    if request.response_format != "json_object":
+        return None
+    check_json_request(request)
+    return JsonAnswer(vocabulary)
