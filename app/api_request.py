@@ -1,0 +1,207 @@
+"""A Chat Completions request body -> the engine's ChatRequest, checked field by field by hand (not
+by pydantic), so that every malformed request gets OpenAI's error shape (ApiError) naming the field.
+Function calling, JSON mode and log probabilities are read by api_tools.py, api_format.py and
+api_logprobs.py."""
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse
+
+from localchat.app.api_format import FormatError, parse_response_format
+from localchat.app.api_logprobs import LogprobsError, parse_logprobs
+from localchat.app.api_tools import ToolsError, parse_tool_calls, parse_tools
+from localchat.app.defaults import ANSWER_TOKENS
+from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_image
+from localchat.engine.runtime.request import ChatRequest, Message, ModelInfo, SamplingParams, TextPart
+
+DEFAULT_MAX_TOKENS = ANSWER_TOKENS
+_DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<b64>.*)$", re.S)
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape: HTTP status, message, type, the field (param) and a code."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content=self.body(), headers=headers)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A checked request: the engine's part, and how the answer goes back (streamed, with usage)."""
+
+    chat: ChatRequest
+    stream: bool
+    include_usage: bool
+
+    @property
+    def logprobs(self) -> bool:
+        return self.chat.sampling.logprobs is not None
+
+
+def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedRequest:
+    """Turn a Chat Completions body into a ChatRequest, or raise ApiError naming the bad field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    model = body.get("model")
+    if model is not None and model != info.name:
+        raise unknown_model(model, info)
+    if body.get("n") not in (None, 1):
+        raise ApiError(400, f"localchat answers one choice per request: 'n' must be 1 (got {body['n']!r}); "
+                            "send several requests for several answers.", param="n")
+    try:
+        logprobs = parse_logprobs(body)
+    except LogprobsError as e:
+        raise ApiError(400, e.message, param=e.param)
+    try:
+        tools, forced_call = parse_tools(body)
+    except ToolsError as e:
+        raise ApiError(400, e.message, param=e.param)
+    try:
+        response_format = parse_response_format(body, tools)
+    except FormatError as e:
+        raise ApiError(400, e.message, param=e.param)
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "'messages' must be a non-empty list.", param="messages")
+    messages = tuple(_parse_message(m, i, info, limits) for i, m in enumerate(raw))
+    if not any(m.role == "user" for m in messages):
+        raise ApiError(400, "'messages' needs at least one user message.", param="messages")
+
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    stop = body.get("stop")
+    stop = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else stop
+    if stop is not None and (not isinstance(stop, tuple) or len(stop) > 4
+                             or not all(isinstance(s, str) and s for s in stop)):
+        raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings.", param="stop")
+    sampling = SamplingParams(
+        # left out: what the checkpoint recommends (as vLLM does), else OpenAI's defaults
+        temperature=_number(body, "temperature", _default(info.sampling.temperature, 1.0), 0.0, 2.0),
+        # top_p 0 (allowed by OpenAI) keeps only the most likely token; the sampler's filter needs p > 0.
+        top_p=max(_number(body, "top_p", _default(info.sampling.top_p, 1.0), 0.0, 1.0), 1e-6),
+        top_k=int(_number(body, "top_k", _default(info.sampling.top_k, 0), 0, 1e9, integer=True)),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-9, 10.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        seed=None if body.get("seed") is None else int(_number(body, "seed", 0, -2**63, 2**64, integer=True)),
+        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else int(
+            _number(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
+                    1, 1, info.context_length, integer=True)),
+        stop=stop or (),
+        logprobs=logprobs,
+    )
+    effort = body.get("reasoning_effort", "medium")
+    if effort not in ("none", "minimal", "low", "medium", "high"):
+        raise ApiError(400, "'reasoning_effort' must be low, medium or high.", param="reasoning_effort")
+    kwargs = body.get("chat_template_kwargs") or {}
+    # GLM switches thinking off via chat_template_kwargs.enable_thinking (vLLM/SGLang convention,
+    # GLM-V README); reasoning_effort "none"/"minimal" is read the same way.
+    thinking = bool(kwargs.get("enable_thinking", effort not in ("none", "minimal")))
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be true or false.", param="stream")
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+    chat = ChatRequest(messages, sampling, thinking=thinking,
+                       reasoning_effort=effort if effort in ("low", "medium", "high") else "low", tools=tools,
+                       forced_call=forced_call, response_format=response_format)
+    return ParsedRequest(chat, stream, include_usage)
+
+
+def _parse_message(m: object, i: int, info: ModelInfo, limits: ImageLimits) -> Message:
+    if not isinstance(m, dict) or m.get("role") not in _ROLES:
+        raise ApiError(400, f"messages[{i}] needs a role of system, developer, user, assistant or tool.",
+                       param=f"messages[{i}].role")
+    role, content = _ROLES[m["role"]], m.get("content")
+    if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+        raise ApiError(400, f"messages[{i}] (a tool result) needs the tool_call_id of the call it answers.",
+                       param=f"messages[{i}].tool_call_id")
+    parts: list = []
+    if isinstance(content, str):
+        parts.append(TextPart(content))
+    elif isinstance(content, list):
+        images = [p for p in content if isinstance(p, dict) and p.get("type") == "image_url"]
+        try:
+            check_count(len(images), limits)
+        except ImageRejected as e:
+            raise ApiError(400, str(e), param=f"messages[{i}].content", code="too_many_images")
+        for j, p in enumerate(content):
+            parts.append(_parse_part(p, f"messages[{i}].content[{j}]", role, info, limits))
+    elif content is None and role == "assistant":
+        pass
+    else:
+        raise ApiError(400, f"messages[{i}].content must be a string or a list of parts.",
+                       param=f"messages[{i}].content")
+    reasoning = m.get("reasoning_content") if role == "assistant" else None
+    try:
+        calls = parse_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls") if role == "assistant" else ()
+    except ToolsError as e:
+        raise ApiError(400, e.message, param=e.param)
+    return Message(role, tuple(parts), reasoning if isinstance(reasoning, str) else None, calls,
+                   m.get("tool_call_id") if role == "tool" else None)
+
+
+def _parse_part(p: object, where: str, role: str, info: ModelInfo, limits: ImageLimits):
+    kind = p.get("type") if isinstance(p, dict) else None
+    if kind == "text" and isinstance(p.get("text"), str):
+        return TextPart(p["text"])
+    if kind != "image_url":
+        raise ApiError(400, f"{where}: part type {kind!r} is not supported; use 'text' or 'image_url'.",
+                       param=where)
+    if role != "user":
+        raise ApiError(400, f"{where}: images are only accepted in user messages.", param=where)
+    if not info.supports_images:
+        raise ApiError(400, f"{info.name} does not take images; load a vision model such as GLM-4.5V.",
+                       param=where)
+    ref = p.get("image_url")
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    if not isinstance(url, str):
+        raise ApiError(400, f"{where}.image_url.url must be a string.", param=where)
+    if not url.startswith("data:"):
+        raise ApiError(400, f"{where}: only data: URLs are accepted for images (localchat works offline and "
+                            "fetches nothing); send the image inline as 'data:image/png;base64,...' or "
+                            "'data:image/jpeg;base64,...'.", param=where, code="image_url_not_supported")
+    match = _DATA_URL.match(url)
+    if not match:
+        raise ApiError(400, f"{where}: image_url must be a base64 data: URL (data:image/png;base64,...).",
+                       param=where, code="invalid_image_url")
+    try:
+        data = base64.b64decode(match["b64"], validate=False)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{where}: the base64 image data is malformed.", param=where, code="invalid_image_url")
+    try:
+        return prepare_image(data, where, limits).part
+    except ImageRejected as e:
+        raise ApiError(400, str(e), param=where, code="invalid_image")
+
+
+def _default(recommended, fallback):
+    return fallback if recommended is None else recommended
+
+
+def _number(body: dict, key: str, default, lo, hi, *, integer: bool = False):
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not float(v).is_integer()):
+        raise ApiError(400, f"'{key}' must be {'an integer' if integer else 'a number'}.", param=key)
+    if not lo <= v <= hi:
+        raise ApiError(400, f"'{key}' must be between {lo:g} and {hi:g}; got {v}.", param=key)
+    return v
+
+
+def unknown_model(model: str, info: ModelInfo) -> ApiError:
+    return ApiError(404, f"The model {model!r} is not loaded; this server runs {info.name!r} "
+                         "(see GET /v1/models).", param="model", code="model_not_found")
