@@ -10,9 +10,9 @@
 # (the MXFP4 TMA row kernels held to fewer registers a thread for more programs an SM: GPU tests, then
 # their time per MoE kernel against the default at 4-48 tokens), generations (the kernel forms the
 # launchers choose for Ampere, Ada and consumer Blackwell, run on this GPU against their references;
-# the loader on the GPU, --quantize fp8 included), targets (the kernel table for the MoE and decode
-# attention, the MXFP4 MoE with and without the down register cap, decode attention at batch 1
-# against its tile, stages and warps).
+# the loader on the GPU, --quantize fp8 included), targets (the MXFP4 MoE with and without the down
+# register cap, decode attention's GPU tests and its engine and plain forms against stages, register
+# caps and key tiles, then the kernel table for the MoE and decode attention).
 # Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
