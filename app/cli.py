@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--offline", action="store_true", help="use the local cache only, never the network")
     run.add_argument("--json", action="store_true",
                      help="print one JSON object: prompt_token_ids, token_ids, text, reasoning, finish_reason, timings")
+    run.add_argument("--json-answer", action="store_true",
+                     help="JSON mode: the answer is one JSON object (decoding held to JSON; the model does not "
+                          "think first)")
     _add_engine_args(run)
     run.set_defaults(func=cmd_run)
 
@@ -149,7 +152,8 @@ def _request(args, model_dir: Path):
         messages.append(Message.text("system", args.system))
     messages.append(Message("user", (*images, TextPart(args.prompt))))
     return ChatRequest(tuple(messages), _sampling(args, model_dir), thinking=not args.no_thinking,
-                       reasoning_effort=args.reasoning_effort)
+                       reasoning_effort=args.reasoning_effort,
+                       response_format="json_object" if args.json_answer else "text")
 
 
 def _model_dir(args) -> Path:
@@ -305,7 +309,10 @@ def cmd_run(args) -> int:
         }))
     else:
         print()
-        if final.finish_reason == "length" and not "".join(text).strip() and "".join(reasoning).strip():
+        if final.finish_reason == "length" and args.json_answer:
+            print(f"localchat: the JSON object was cut off: --max-tokens {args.max_tokens} ran out before it "
+                  "closed; raise --max-tokens", file=sys.stderr)
+        elif final.finish_reason == "length" and not "".join(text).strip() and "".join(reasoning).strip():
             shown = "" if args.show_reasoning else " (--show-reasoning prints its reasoning)"
             print(f"localchat: no answer yet: --max-tokens {args.max_tokens} ran out while the model was still "
                   f"thinking{shown}; raise --max-tokens", file=sys.stderr)

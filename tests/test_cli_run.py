@@ -225,3 +225,11 @@ def test_out_of_range_flags_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_a_json_answer_is_one_json_object():
+    out = run_cli("run", "demo", "Three colours, as JSON", "--json-answer", "--seed", "3", "--max-tokens", "300")
+    assert out.returncode == 0, out.stderr
+    assert isinstance(json.loads(out.stdout), dict)
+    cut = run_cli("run", "demo", "Three colours, as JSON", "--json-answer", "--max-tokens", "2")
+    assert cut.returncode == 0 and "the JSON object was cut off: --max-tokens 2 ran out" in cut.stderr
