@@ -33,7 +33,8 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from localchat.app.api_logprobs import logprobs_json
-from localchat.app.api_request import ApiError, parse_request, unknown_model
+from localchat.app.api_errors import ApiError
+from localchat.app.api_request import parse_request, unknown_model
 from localchat.app.api_tools import tool_call_json
 from localchat.app.ui_images import ImageLimits
 from localchat.engine.runtime.request import ChatEngine, Delta, Final, ModelInfo, RequestStream, TokenLogprob

@@ -11,18 +11,12 @@ from __future__ import annotations
 
 from typing import Literal
 
+from localchat.app.api_errors import ApiError
+
 SCHEMA_REFUSAL = ("response_format {\"type\": \"json_schema\"} is not supported: localchat does not enforce a "
                   "JSON schema. Use {\"type\": \"json_object\"}, which guarantees one valid JSON object (describe "
                   "the fields you want in the prompt; they are not checked), or force a function call whose "
                   "parameters are your schema: 'tools' with that function and 'tool_choice' naming it.")
-
-
-class FormatError(ValueError):
-    """A response_format that cannot be served: (message, param)."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.message, self.param = message, param
 
 
 def parse_response_format(body: dict, tools: tuple[dict, ...]) -> Literal["text", "json_object"]:
@@ -33,16 +27,17 @@ def parse_response_format(body: dict, tools: tuple[dict, ...]) -> Literal["text"
         return "text"
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "json_schema":
-        raise FormatError(SCHEMA_REFUSAL, "response_format")
+        raise ApiError(400, SCHEMA_REFUSAL, param="response_format")
     if kind not in ("text", "json_object"):
-        raise FormatError("'response_format' must be {\"type\": \"text\"} or {\"type\": \"json_object\"} "
-                          f"(got {fmt!r}).", "response_format")
+        raise ApiError(400, "'response_format' must be {\"type\": \"text\"} or {\"type\": \"json_object\"} "
+                            f"(got {fmt!r}).", param="response_format")
     if kind == "json_object" and tools:
-        raise FormatError("response_format json_object cannot be combined with 'tools': the answer must be one "
-                          "JSON object, and a function call is not one. Leave the tools out (or send "
-                          "tool_choice \"none\"), or, to get the call's arguments as the object, force a call "
-                          "with tool_choice instead of JSON mode.", "response_format")
+        raise ApiError(400, "response_format json_object cannot be combined with 'tools': the answer must be one "
+                            "JSON object, and a function call is not one. Leave the tools out (or send "
+                            "tool_choice \"none\"), or, to get the call's arguments as the object, force a call "
+                            "with tool_choice instead of JSON mode.", param="response_format")
     if kind == "json_object" and body.get("stop"):
-        raise FormatError("response_format json_object cannot be combined with 'stop': the answer ends when its "
-                          "object closes, and a stop string would cut the object short. Leave 'stop' out.", "stop")
+        raise ApiError(400, "response_format json_object cannot be combined with 'stop': the answer ends when its "
+                            "object closes, and a stop string would cut the object short. Leave 'stop' out.",
+                       param="stop")
     return kind

@@ -8,6 +8,7 @@ says which distribution the values come from).
 """
 from __future__ import annotations
 
+from localchat.app.api_errors import ApiError
 from localchat.engine.runtime.request import TokenLogprob
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -15,29 +16,21 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 LEAST_LOGPROB = -9999.0
 
 
-class LogprobsError(ValueError):
-    """A malformed logprobs field: (message, param)."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.message, self.param = message, param
-
-
 def parse_logprobs(body: dict) -> int | None:
     """SamplingParams.logprobs from `logprobs` (true or false) and `top_logprobs` (an integer 0 to
     20, only with logprobs true): None when not asked, else how many alternatives per token."""
     wanted = body.get("logprobs")
     if wanted is not None and not isinstance(wanted, bool):
-        raise LogprobsError(f"'logprobs' must be true or false (got {wanted!r}).", "logprobs")
+        raise ApiError(400, f"'logprobs' must be true or false (got {wanted!r}).", param="logprobs")
     top = body.get("top_logprobs")
     if top is None:
         return 0 if wanted else None
     if isinstance(top, bool) or not isinstance(top, (int, float)) or not float(top).is_integer() \
             or not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise LogprobsError(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS} (got {top!r}).",
-                            "top_logprobs")
+        raise ApiError(400, f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS} (got {top!r}).",
+                       param="top_logprobs")
     if not wanted:
-        raise LogprobsError("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
     return int(top)
 
 

@@ -9,11 +9,10 @@ import binascii
 import re
 from dataclasses import dataclass
 
-from fastapi.responses import JSONResponse
-
-from localchat.app.api_format import FormatError, parse_response_format
-from localchat.app.api_logprobs import LogprobsError, parse_logprobs
-from localchat.app.api_tools import ToolsError, parse_tool_calls, parse_tools
+from localchat.app.api_errors import ApiError
+from localchat.app.api_format import parse_response_format
+from localchat.app.api_logprobs import parse_logprobs
+from localchat.app.api_tools import parse_tool_calls, parse_tools
 from localchat.app.defaults import ANSWER_TOKENS
 from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_image
 from localchat.engine.runtime.request import ChatRequest, Message, ModelInfo, SamplingParams, TextPart
@@ -21,21 +20,6 @@ from localchat.engine.runtime.request import ChatRequest, Message, ModelInfo, Sa
 DEFAULT_MAX_TOKENS = ANSWER_TOKENS
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<b64>.*)$", re.S)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-
-
-class ApiError(Exception):
-    """An answer in OpenAI's error shape: HTTP status, message, type, the field (param) and a code."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def response(self, headers: dict | None = None) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content=self.body(), headers=headers)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True)
@@ -61,18 +45,9 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
     if body.get("n") not in (None, 1):
         raise ApiError(400, f"localchat answers one choice per request: 'n' must be 1 (got {body['n']!r}); "
                             "send several requests for several answers.", param="n")
-    try:
-        logprobs = parse_logprobs(body)
-    except LogprobsError as e:
-        raise ApiError(400, e.message, param=e.param)
-    try:
-        tools, forced_call = parse_tools(body)
-    except ToolsError as e:
-        raise ApiError(400, e.message, param=e.param)
-    try:
-        response_format = parse_response_format(body, tools)
-    except FormatError as e:
-        raise ApiError(400, e.message, param=e.param)
+    logprobs = parse_logprobs(body)
+    tools, forced_call = parse_tools(body)
+    response_format = parse_response_format(body, tools)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ApiError(400, "'messages' must be a non-empty list.", param="messages")
@@ -145,10 +120,7 @@ def _parse_message(m: object, i: int, info: ModelInfo, limits: ImageLimits) -> M
         raise ApiError(400, f"messages[{i}].content must be a string or a list of parts.",
                        param=f"messages[{i}].content")
     reasoning = m.get("reasoning_content") if role == "assistant" else None
-    try:
-        calls = parse_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls") if role == "assistant" else ()
-    except ToolsError as e:
-        raise ApiError(400, e.message, param=e.param)
+    calls = parse_tool_calls(m.get("tool_calls"), f"messages[{i}].tool_calls") if role == "assistant" else ()
     return Message(role, tuple(parts), reasoning if isinstance(reasoning, str) else None, calls,
                    m.get("tool_call_id") if role == "tool" else None)
 

@@ -13,26 +13,19 @@ from __future__ import annotations
 
 import json
 
+from localchat.app.api_errors import ApiError
 from localchat.engine.runtime.request import ForcedCall, ToolCall
 
 _CHOICE_SHAPES = ("'tool_choice' may be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
                   "\"function\": {\"name\": NAME}} naming one of 'tools'")
 
 
-class ToolsError(ValueError):
-    """A malformed tools field: (message, param)."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.message, self.param = message, param
-
-
 def parse_tools(body: dict) -> tuple[tuple[dict, ...], ForcedCall | None]:
     """(the tools the model is shown, each {"type": "function", "function": {...}}; the call it
     must make, None when it decides). No tools when none are given or tool_choice is "none"."""
     if body.get("functions") or body.get("function_call"):
-        raise ToolsError("'functions' and 'function_call' are the deprecated form: send 'tools' "
-                         "[{\"type\": \"function\", \"function\": {...}}] instead.", "functions")
+        raise ApiError(400, "'functions' and 'function_call' are the deprecated form: send 'tools' "
+                            "[{\"type\": \"function\", \"function\": {...}}] instead.", param="functions")
     tools = _tool_list(body.get("tools"))
     choice = body.get("tool_choice")
     if choice == "none":
@@ -44,17 +37,17 @@ def _tool_list(tools: object) -> tuple[dict, ...]:
     if tools in (None, []):
         return ()
     if not isinstance(tools, list):
-        raise ToolsError("'tools' must be a list of {\"type\": \"function\", \"function\": {...}}.", "tools")
+        raise ApiError(400, "'tools' must be a list of {\"type\": \"function\", \"function\": {...}}.", param="tools")
     out = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ToolsError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                             "\"parameters\": {...}}}}.", f"tools[{i}]")
+            raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                                "\"parameters\": {...}}}}.", param=f"tools[{i}]")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise ToolsError(f"tools[{i}].function.parameters must be a JSON schema object.",
-                             f"tools[{i}].function.parameters")
+            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object.",
+                           param=f"tools[{i}].function.parameters")
         out.append({"type": "function", "function": fn})
     return tuple(out)
 
@@ -65,14 +58,14 @@ def _forced_call(choice: object, tools: tuple[dict, ...]) -> ForcedCall | None:
         return None
     forced = ForcedCall(_function_named(choice))
     if choice != "required" and forced.function is None:
-        raise ToolsError(f"{_CHOICE_SHAPES}; got {json.dumps(choice)}.", "tool_choice")
+        raise ApiError(400, f"{_CHOICE_SHAPES}; got {json.dumps(choice)}.", param="tool_choice")
     names = [t["function"]["name"] for t in tools]
     if not names:
-        raise ToolsError("'tool_choice' forces a function call, which needs 'tools' to call: add the functions "
-                         "to 'tools', or leave 'tool_choice' out.", "tool_choice")
+        raise ApiError(400, "'tool_choice' forces a function call, which needs 'tools' to call: add the functions "
+                            "to 'tools', or leave 'tool_choice' out.", param="tool_choice")
     if forced.function is not None and forced.function not in names:
-        raise ToolsError(f"'tool_choice' names the function {forced.function!r}, which is not among 'tools' "
-                         f"({', '.join(names)}): name one of them, or add it to 'tools'.", "tool_choice")
+        raise ApiError(400, f"'tool_choice' names the function {forced.function!r}, which is not among 'tools' "
+                            f"({', '.join(names)}): name one of them, or add it to 'tools'.", param="tool_choice")
     return forced
 
 
@@ -89,13 +82,13 @@ def parse_tool_calls(raw: object, where: str) -> tuple[ToolCall, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list):
-        raise ToolsError(f"{where} must be a list.", where)
+        raise ApiError(400, f"{where} must be a list.", param=where)
     calls = []
     for j, call in enumerate(raw):
         fn = call.get("function") if isinstance(call, dict) else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or not name:
-            raise ToolsError(f"{where}[{j}] needs function.name.", f"{where}[{j}]")
+            raise ApiError(400, f"{where}[{j}] needs function.name.", param=f"{where}[{j}]")
         arguments = fn.get("arguments", "{}")
         if not isinstance(arguments, str):  # lenient: an object given as such
             arguments = json.dumps(arguments, ensure_ascii=False)

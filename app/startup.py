@@ -24,7 +24,8 @@ from pathlib import Path
 import fastapi
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from .api import ApiError, key_error
+from .api import key_error
+from .api_errors import ApiError
 
 # How long a failed start keeps the page up for a browser that is watching it, so the reason
 # shows there too (the terminal always has it).
