@@ -47,7 +47,7 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
                             "send several requests for several answers.", param="n")
     logprobs = parse_logprobs(body)
     tools, forced_call = parse_tools(body)
-    response_format = parse_response_format(body, tools)
+    response_format, response_schema = parse_response_format(body, tools)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ApiError(400, "'messages' must be a non-empty list.", param="messages")
@@ -91,7 +91,8 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
     include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
     chat = ChatRequest(messages, sampling, thinking=thinking,
                        reasoning_effort=effort if effort in ("low", "medium", "high") else "low", tools=tools,
-                       forced_call=forced_call, response_format=response_format)
+                       forced_call=forced_call, response_format=response_format,
+                       response_schema=response_schema)
     return ParsedRequest(chat, stream, include_usage)
 
 

@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json-answer", action="store_true",
                      help="JSON mode: the answer is one JSON object (decoding held to JSON; the model does not "
                           "think first)")
+    run.add_argument("--json-schema", metavar="FILE", default=None,
+                     help="like --json-answer, the object also held to the JSON schema in FILE")
     _add_engine_args(run)
     run.set_defaults(func=cmd_run)
 
@@ -151,9 +153,27 @@ def _request(args, model_dir: Path):
     if args.system:
         messages.append(Message.text("system", args.system))
     messages.append(Message("user", (*images, TextPart(args.prompt))))
+    schema = getattr(args, "schema", None)
     return ChatRequest(tuple(messages), _sampling(args, model_dir), thinking=not args.no_thinking,
                        reasoning_effort=args.reasoning_effort,
-                       response_format="json_object" if args.json_answer else "text")
+                       response_format="json_schema" if schema else "json_object" if args.json_answer else "text",
+                       response_schema=schema)
+
+
+def _schema(path: str):
+    """The JSON schema in `path`, compiled (strict: what cannot be held to is refused)."""
+    from ..engine.runtime.json_schema import SchemaError, compile_schema
+
+    try:
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read the schema file {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise UserError(f"{path} is not JSON ({e}); --json-schema takes a file holding one JSON schema") from None
+    try:
+        return compile_schema(schema, name=Path(path).stem, strict=True)
+    except SchemaError as e:
+        raise UserError(f"{path}: {e}") from None
 
 
 def _model_dir(args) -> Path:
@@ -273,6 +293,7 @@ def cmd_run(args) -> int:
 
     _run_model(args)
     args.prompt = _question(args)  # before any download or load, so a missing question fails at once
+    args.schema = _schema(args.json_schema) if args.json_schema else None  # likewise a schema it cannot follow
     model_dir = _model_dir(args)
     request = _request(args, model_dir)
     engine = _load_engine(args, model_dir)
@@ -309,7 +330,7 @@ def cmd_run(args) -> int:
         }))
     else:
         print()
-        if final.finish_reason == "length" and args.json_answer:
+        if final.finish_reason == "length" and (args.json_answer or args.json_schema):
             print(f"localchat: the JSON object was cut off: --max-tokens {args.max_tokens} ran out before it "
                   "closed; raise --max-tokens", file=sys.stderr)
         elif final.finish_reason == "length" and not "".join(text).strip() and "".join(reasoning).strip():

@@ -11,7 +11,8 @@ calls and tool results are forwarded; the calls streamed back (id and name once,
 pieces, by index) are handed on whole when the answer ends. `logprobs` / `top_logprobs` are
 forwarded, and each chunk's `choices[].logprobs.content` is handed on as it came (without token
 ids, which OpenAI's format does not carry). JSON mode is forwarded as `response_format`
-{"type": "json_object"}, which vLLM and SGLang enforce with their own constrained decoding.
+{"type": "json_object"}, and a schema as {"type": "json_schema"} with the schema as the request
+gave it, which vLLM and SGLang enforce with their own constrained decoding.
 """
 from __future__ import annotations
 
@@ -116,7 +117,11 @@ class RemoteEngine:
             body["tools"] = list(request.tools)
         if request.forced_call is not None:
             body["tool_choice"] = _wire_tool_choice(request.forced_call)
-        if request.response_format != "text":
+        if request.response_format == "json_schema":
+            schema = request.response_schema
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": schema.name, "schema": schema.source, "strict": schema.strict}}
+        elif request.response_format != "text":
             body["response_format"] = {"type": request.response_format}
         if sp.logprobs is not None:
             body["logprobs"] = True

@@ -231,5 +231,25 @@ def test_a_json_answer_is_one_json_object():
     out = run_cli("run", "demo", "Three colours, as JSON", "--json-answer", "--seed", "3", "--max-tokens", "300")
     assert out.returncode == 0, out.stderr
     assert isinstance(json.loads(out.stdout), dict)
-    cut = run_cli("run", "demo", "Three colours, as JSON", "--json-answer", "--max-tokens", "2")
-    assert cut.returncode == 0 and "the JSON object was cut off: --max-tokens 2 ran out" in cut.stderr
+    cut = run_cli("run", "demo", "Three colours, as JSON", "--json-answer", "--max-tokens", "1")
+    assert cut.returncode == 0 and "the JSON object was cut off: --max-tokens 1 ran out" in cut.stderr, cut
+
+
+def test_a_json_schema_answer_follows_the_schema(tmp_path):
+    schema = {"type": "object", "properties": {"colours": {"type": "array", "maxItems": 3, "items": {
+        "enum": ["red", "green", "blue"]}}}, "required": ["colours"], "additionalProperties": False}
+    path = tmp_path / "colours.json"
+    path.write_text(json.dumps(schema))
+    out = run_cli("run", "demo", "Three colours, as JSON", "--json-schema", str(path), "--seed", "3",
+                  "--max-tokens", "300")
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    assert list(answer) == ["colours"] and set(answer["colours"]) <= {"red", "green", "blue"}
+    # a schema it cannot follow is refused before anything loads
+    path.write_text(json.dumps({"type": "object", "properties": {"zip": {"type": "string", "pattern": "[0-9]+"}}}))
+    bad = run_cli("run", "demo", "x", "--json-schema", str(path))
+    assert bad.returncode != 0 and "'pattern' at #/properties/zip is not enforced by localchat" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    path.write_text("{not json")
+    bad = run_cli("run", "demo", "x", "--json-schema", str(path))
+    assert bad.returncode != 0 and "is not JSON" in bad.stderr

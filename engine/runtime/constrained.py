@@ -1,5 +1,6 @@
-"""JSON mode (ChatRequest.response_format "json_object"): the answer is one JSON object, because
-each of its tokens is chosen among those whose text continues it (json_constraint.py checks).
+"""JSON mode (ChatRequest.response_format "json_object" or "json_schema"): the answer is one JSON
+object, because each of its tokens is chosen among those whose text continues it: any object
+(json_constraint.py checks) or one that follows the request's schema (schema_constraint.py).
 
 A JSON row's token is chosen on the host, every step: its candidates are ranked in the order its
 sampler would take them (greedy: by logit; sampled: the same penalties, temperature and top-k /
@@ -11,8 +12,8 @@ and the most likely token that continues the object is taken, whatever the filte
 filters shape a distribution that no longer holds once most of it is forbidden.
 
 Special and added tokens (markup such as `<think>`, `<|channel|>`, `<tool_call>`, end-of-turn
-ids) never continue an object, and neither does whitespace that would make a run of more than
-MAX_BLANK_RUN characters between JSON tokens. The answer ends, finish reason "stop", with the
+ids) never continue an object, and neither does whitespace before the object opens or
+whitespace that would make a run of more than MAX_BLANK_RUN characters between JSON tokens. The answer ends, finish reason "stop", with the
 token that closes the object (whitespace after it in the same token is allowed), so no
 end-of-turn token is needed.
 The other rows of the batch are sampled together as before, unchanged by the JSON rows.
@@ -21,9 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from .json_constraint import START_STATE, JsonState, advance, between_tokens, is_complete
+from .json_constraint import JSON_OBJECT
 from .logprobs import byte_of_symbol, token_bytes
 from .request import ChatRequest
+from .schema_constraint import SchemaGrammar
 from .sampling import Sampler, ranked_tokens, to_device
 
 CANDIDATES = 64  # candidates checked in the sampler's order before the whole vocabulary is searched
@@ -32,8 +34,8 @@ CANDIDATES = 64  # candidates checked in the sampler's order before the whole vo
 MAX_BLANK_RUN = 64
 _WHITESPACE = " \t\n\r"
 _SEARCH_CHUNK = 1024  # tokens brought to the host at a time by that search
-_NON_ASCII = 128  # first-character code of a token starting with a byte from 0x80 on
-_NEVER = 129  # first-character code of a token that never continues an object
+_BYTES = 256  # first-character codes: a token's first byte (its text is read one character a byte)
+_NEVER = 256  # first-character code of a token that never continues an object
 
 # What the prompt ends with in JSON mode, after the generation prompt: gpt-oss goes straight to its
 # final channel (no analysis); GLM-4.5V's template closes an empty think block itself when thinking
@@ -75,7 +77,7 @@ class JsonVocabulary:
     def build(self) -> "JsonVocabulary":
         if self.texts is None:
             texts = _token_texts(self.tokenizer, self.vocab_size, self.excluded)
-            codes = [_NEVER if t is None else min(ord(t[0]), _NON_ASCII) for t in texts]
+            codes = [_NEVER if t is None else ord(t[0]) for t in texts]
             self.first_codes = torch.tensor(codes).to(self.device)
             self.texts = texts
         return self
@@ -83,11 +85,11 @@ class JsonVocabulary:
     def text(self, token: int) -> str | None:
         return self.texts[token] if 0 <= token < len(self.texts) else None
 
-    def first_character_allowed(self, state: JsonState) -> torch.Tensor:
-        """[V] bool on the device: whether each token's first character may come next. Necessary
-        for the token to continue the object, not sufficient (the rest of its text must too)."""
-        allowed = [advance(state, chr(c)) is not None for c in range(_NON_ASCII)]
-        allowed += [advance(state, chr(_NON_ASCII)) is not None, False]
+    def first_character_allowed(self, grammar, state) -> torch.Tensor:
+        """[V] bool on the device: whether each token's first character may come next in `grammar`
+        from `state`. Necessary for the token to continue the object, not sufficient (the rest of
+        its text must too)."""
+        allowed = [grammar.advance(state, chr(c)) is not None for c in range(_BYTES)] + [False]
         return to_device(self.device, allowed, torch.bool)[self.first_codes]
 
 
@@ -116,26 +118,29 @@ class NoValidToken(RuntimeError):
 
 
 class JsonAnswer:
-    """One request's answer in JSON mode: the automaton's state after the tokens chosen so far
-    (and how many whitespace characters between JSON tokens end it), and the choice of the next
-    token."""
+    """One request's answer in JSON mode: the grammar (JSON_OBJECT, or a SchemaGrammar), its state
+    after the tokens chosen so far (and how many whitespace characters between JSON tokens end
+    it), and the choice of the next token."""
 
-    def __init__(self, vocabulary: JsonVocabulary):
+    def __init__(self, vocabulary: JsonVocabulary, grammar=JSON_OBJECT):
         self.vocabulary = vocabulary.build()
-        self.state = START_STATE
+        self.grammar = grammar
+        self.state = grammar.start
         self.blank_run = 0
 
     @property
     def complete(self) -> bool:
-        return is_complete(self.state)
+        return self.grammar.is_complete(self.state)
 
-    def after(self, token: int) -> tuple[JsonState, int] | None:
+    def after(self, token: int) -> tuple[tuple, int] | None:
         """(state, blank run) after `token`, or None when it does not continue the object."""
         text = self.vocabulary.text(token)
-        state = None if text is None else advance(self.state, text)
+        if text is None or (self.state is self.grammar.start and text[0] in _WHITESPACE):
+            return None  # the answer starts with its "{"
+        state = self.grammar.advance(self.state, text)
         if state is None:
             return None
-        run = _blank_run(self.blank_run, text, state)
+        run = _blank_run(self.blank_run, text, self.grammar.between_tokens(state))
         return (state, run) if run <= MAX_BLANK_RUN else None
 
     def append(self, token: int) -> None:
@@ -159,7 +164,7 @@ class JsonAnswer:
     def _most_likely_valid(self, logits: torch.Tensor) -> int:
         """logits [V] float32. Searches only the tokens whose first character may come next, most
         likely first, a chunk at a time."""
-        ids = self.vocabulary.first_character_allowed(self.state).nonzero()[:, 0]
+        ids = self.vocabulary.first_character_allowed(self.grammar, self.state).nonzero()[:, 0]
         order = ids.index_select(0, torch.argsort(logits.index_select(0, ids), descending=True))
         for start in range(0, order.numel(), _SEARCH_CHUNK):
             for token in order[start:start + _SEARCH_CHUNK].tolist():
@@ -169,11 +174,12 @@ class JsonAnswer:
                            "characters JSON needs")
 
 
-def _blank_run(before: int, text: str, state: JsonState) -> int:
-    """The whitespace run between JSON tokens that ends the answer once `text` (which led to
-    `state`) is read, given the run `before` it. Trailing whitespace that ends between tokens
-    was read between tokens: a string, number or literal ends on another character."""
-    if not between_tokens(state):
+def _blank_run(before: int, text: str, ends_between_tokens: bool) -> int:
+    """The whitespace run between JSON tokens that ends the answer once `text` is read, given the
+    run `before` it; ends_between_tokens: whether the text read ends between JSON tokens. Trailing
+    whitespace that ends between tokens was read between tokens: a string, number or literal ends
+    on another character."""
+    if not ends_between_tokens:
         return 0
     trailing = len(text) - len(text.rstrip(_WHITESPACE))
     return before + trailing if trailing == len(text) else trailing
@@ -199,7 +205,9 @@ def choose_rows(logits: torch.Tensor, samplers: list[Sampler], contexts: list[to
 
 def json_answer_for(request: ChatRequest, vocabulary: JsonVocabulary) -> JsonAnswer | None:
     """A new answer state for a JSON-mode request (checked: check_json_request), None otherwise."""
-    if request.response_format != "json_object":
+    if request.response_format == "text":
         return None
     check_json_request(request)
+    if request.response_format == "json_schema":
+        return JsonAnswer(vocabulary, SchemaGrammar(request.response_schema))
     return JsonAnswer(vocabulary)

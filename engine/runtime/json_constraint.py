@@ -191,6 +191,18 @@ def between_tokens(state: JsonState) -> bool:
     return state[0] in _SKIPS_WHITESPACE
 
 
+class JsonObjectGrammar:
+    """This automaton behind the interface constrained.py drives (start, advance, is_complete,
+    between_tokens), which schema_constraint.SchemaGrammar shares."""
+    start = START_STATE
+    advance = staticmethod(advance)
+    is_complete = staticmethod(is_complete)
+    between_tokens = staticmethod(between_tokens)
+
+
+JSON_OBJECT = JsonObjectGrammar()
+
+
 class JsonObjectValidator:
     """The automaton with its current state: `feed` moves on only when the text is a valid
     continuation; `accepts` checks one without moving."""

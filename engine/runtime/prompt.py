@@ -149,7 +149,7 @@ class ChatFormatter:
         """The part of the answer the prompt already holds: the start of a forced call, or in JSON
         mode gpt-oss's final-channel header ("" when the model decides). The output parser must
         read a forced call's start before the generated text."""
-        if request.response_format == "json_object":
+        if request.response_format != "text":
             return json_answer_prefix(self.spec.family)
         return forced_call_prefix(self.spec.family, request.forced_call, request.tools)
 

@@ -12,6 +12,7 @@ from typing import Iterator, Literal, Protocol, Union
 from PIL import Image
 
 from ..spec import SamplingDefaults
+from .json_schema import JsonSchema
 
 
 @dataclass(frozen=True)
@@ -112,10 +113,11 @@ class ChatRequest:
     (JSON schema)}}; the chat template shows them to the model and its calls come back as
     Delta.tool_calls. forced_call: None lets the model decide whether to call; a ForcedCall makes
     the answer start with a call to one of `tools`, with no thinking (GLM) or analysis (gpt-oss)
-    before it. response_format: "text" (free text), or "json_object" (JSON mode): every token is
+    before it. response_format: "text" (free text), "json_object" (JSON mode): every token is
     chosen so that the answer is one JSON object, which ends the answer when it closes (finish
-    reason "stop"; "length" when cut off first); the model answers at once, with no thinking (GLM)
-    or analysis (gpt-oss), and JSON mode takes no tools and no stop strings
+    reason "stop"; "length" when cut off first), or "json_schema": the same, the object held to
+    `response_schema` (a compiled json_schema.JsonSchema); in both the model answers at once, with
+    no thinking (GLM) or analysis (gpt-oss), and takes no tools and no stop strings
     (engine/runtime/constrained.py)."""
 
     messages: tuple[Message, ...]
@@ -126,7 +128,12 @@ class ChatRequest:
     dropped_hint: int = 0
     tools: tuple[dict, ...] = ()
     forced_call: ForcedCall | None = None
-    response_format: Literal["text", "json_object"] = "text"
+    response_format: Literal["text", "json_object", "json_schema"] = "text"
+    response_schema: JsonSchema | None = None
+
+    def __post_init__(self):
+        if (self.response_format == "json_schema") != (self.response_schema is not None):
+            raise ValueError("response_format 'json_schema' goes with a response_schema, and only it")
 
 
 @dataclass(frozen=True)
