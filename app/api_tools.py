@@ -5,15 +5,18 @@ Completions reference (https://platform.openai.com/docs/api-reference/chat).
 `tool_choice` "auto" (the default) lets the model decide whether to call; "none" hides the tools
 from it. "required" and {"type": "function", "function": {"name": NAME}} force a call: the engine
 writes the start of a call in the model's own syntax after the generation prompt (up to the name
-when one is named), so the model can only go on inside it (ChatRequest.forced_call). Nothing else
-constrains decoding: the arguments are the model's, not checked against the schema, and the
-model does not think before a forced call.
+when one is named), so the model can only go on inside it (ChatRequest.forced_call), and the
+model does not think before a forced call. gpt-oss's arguments to a named forced call are then
+held token by token to the function's `parameters` schema (strictly for a function marked
+`"strict": true`); other calls' arguments are the model's own, not checked against the schema. A
+strict function whose schema the engine could not hold to is refused, whichever model serves it.
 """
 from __future__ import annotations
 
 import json
 
 from localchat.app.api_errors import ApiError
+from localchat.engine.runtime.json_schema import SchemaError, compile_schema
 from localchat.engine.runtime.request import ForcedCall, ToolCall
 
 _CHOICE_SHAPES = ("'tool_choice' may be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
@@ -48,8 +51,20 @@ def _tool_list(tools: object) -> tuple[dict, ...]:
         if params is not None and not isinstance(params, dict):
             raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object.",
                            param=f"tools[{i}].function.parameters")
+        if fn.get("strict") is True:
+            _check_strict(fn, i)
         out.append({"type": "function", "function": fn})
     return tuple(out)
+
+
+def _check_strict(fn: dict, i: int) -> None:
+    """A function marked strict must have parameters the engine can hold a call's arguments to
+    (engine/runtime/constrained.forced_arguments_grammar says where it does)."""
+    try:
+        compile_schema(fn.get("parameters") or {"type": "object"}, fn["name"], strict=True)
+    except SchemaError as e:
+        raise ApiError(400, f"tools[{i}] is strict, but its parameters cannot be held to: {e}. Fix the schema, "
+                            "or leave out \"strict\": true.", param=f"tools[{i}].function.parameters") from None
 
 
 def _forced_call(choice: object, tools: tuple[dict, ...]) -> ForcedCall | None:

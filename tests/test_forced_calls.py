@@ -7,6 +7,7 @@ import random
 import pytest
 
 from fixtures import open_fixture
+from localchat.engine.runtime import constrained
 from localchat.engine.runtime import engine as engine_module
 from localchat.engine.runtime.engine import Engine
 from localchat.engine.runtime.reasoning import reasoning_parser
@@ -107,8 +108,10 @@ def test_the_engine_streams_a_forced_call_like_a_chosen_one(engines, name, force
     engine = engines(name)
     tokenizer = engine.formatter.tokenizer
     tokens = iter(tokenizer(continuation, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids(end)])
-    # the model's choices replaced by the script, one token a step
+    # the model's choices replaced by the script, one token a step (gpt-oss's arguments to a named
+    # function are chosen by their schema's automaton: the script stands in for that choice too)
     monkeypatch.setattr(engine_module, "sample_tokens", lambda logits, samplers, contexts: [next(tokens)])
+    monkeypatch.setattr(constrained.JsonAnswer, "choose", lambda answer, logits, sampler, context: next(tokens))
     items = list(engine.submit(ChatRequest(QUESTION, SamplingParams(max_tokens=100), tools=TOOLS, forced_call=forced)))
     deltas, final = [d for d in items if isinstance(d, Delta)], items[-1]
     assert isinstance(final, Final) and final.finish_reason == "tool_calls", final
@@ -121,3 +124,57 @@ def test_the_engine_refuses_a_forced_call_it_cannot_make(engines):
     engine = engines("glm-bf16")
     final = list(engine.submit(ChatRequest(QUESTION, tools=(WEATHER,), forced_call=ForcedCall("get_time"))))[-1]
     assert final.finish_reason == "error" and "'get_time' is not among the request's tools" in final.error
+
+
+BOOKING = {"type": "function", "function": {
+    "name": "book_table", "strict": True,
+    "parameters": {"type": "object", "properties": {
+        "restaurant": {"type": "string", "maxLength": 12}, "people": {"type": "integer"},
+        "time": {"enum": ["18:00", "19:30", "21:00"]}, "terrace": {"type": "boolean"}},
+        "required": ["restaurant", "people", "time", "terrace"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("seed", [None, 1, 2])
+def test_gpt_oss_arguments_to_a_named_call_follow_its_schema(engines, seed, monkeypatch):
+    engine = engines("gpt-oss-mxfp4")
+    # a random model writes strings forever: lean it towards ending them, as test_json_mode does
+    ends = [engine.formatter.tokenizer.convert_tokens_to_ids(t) for t in ('"', "}", ",", ":")]
+    run = engine.runner.run
+
+    def leaning(plan):
+        seqs, logits = run(plan)
+        if logits is not None:
+            logits = logits.clone()
+            logits[:, ends] += 0.3 * len(seqs[0].generated)
+        return seqs, logits
+
+    monkeypatch.setattr(engine.runner, "run", leaning)
+    sampling = SamplingParams(max_tokens=300, temperature=0.0 if seed is None else 1.0, seed=seed)
+    items = list(engine.submit(ChatRequest(QUESTION, sampling, tools=(WEATHER, BOOKING),
+                                           forced_call=ForcedCall("book_table"))))
+    final = items[-1]
+    calls = [c for d in items if isinstance(d, Delta) for c in d.tool_calls]
+    assert final.finish_reason == "tool_calls" and [c.name for c in calls] == ["book_table"], (final, calls)
+    args = json.loads(calls[0].arguments)
+    assert list(args) == ["restaurant", "people", "time", "terrace"]
+    assert isinstance(args["people"], int) and not isinstance(args["people"], bool)
+    assert len(args["restaurant"]) <= 12 and args["time"] in ("18:00", "19:30", "21:00")
+    assert isinstance(args["terrace"], bool)
+
+
+def test_a_strict_function_the_engine_cannot_hold_to_is_refused(engines):
+    zipcode = {"type": "function", "function": {"name": "find", "strict": True, "parameters": {
+        "type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}
+    final = list(engines("gpt-oss-mxfp4").submit(ChatRequest(QUESTION, tools=(zipcode,),
+                                                              forced_call=ForcedCall("find"))))[-1]
+    assert final.finish_reason == "error" and "'pattern' at #/properties/zip is not enforced" in final.error
+    # without strict, what it cannot enforce is left to the model and the rest is held
+    loose = {"type": "function", "function": {**zipcode["function"], "strict": False}}
+    grammar = constrained.forced_arguments_grammar(
+        ChatRequest(QUESTION, tools=(loose,), forced_call=ForcedCall("find")), "gpt_oss")
+    assert grammar.advance(grammar.start, '{"zip": "abc"}') and grammar.advance(grammar.start, '{"zip": 3') is None
+    # GLM-4.5V's tagged arguments and calls the model names itself are left to the model
+    assert constrained.forced_arguments_grammar(
+        ChatRequest(QUESTION, tools=(loose,), forced_call=ForcedCall("find")), "glm4v_moe") is None
+    assert constrained.forced_arguments_grammar(
+        ChatRequest(QUESTION, tools=(loose,), forced_call=ForcedCall()), "gpt_oss") is None

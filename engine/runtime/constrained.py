@@ -13,9 +13,9 @@ filters shape a distribution that no longer holds once most of it is forbidden.
 
 Special and added tokens (markup such as `<think>`, `<|channel|>`, `<tool_call>`, end-of-turn
 ids) never continue an object, and neither does whitespace before the object opens or
-whitespace that would make a run of more than MAX_BLANK_RUN characters between JSON tokens. The answer ends, finish reason "stop", with the
-token that closes the object (whitespace after it in the same token is allowed), so no
-end-of-turn token is needed.
+whitespace that would make a run of more than MAX_BLANK_RUN characters between JSON tokens. The
+answer ends, finish reason "stop", with the token that closes the object (whitespace after it in
+the same token is allowed), so no end-of-turn token is needed.
 The other rows of the batch are sampled together as before, unchanged by the JSON rows.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .json_constraint import JSON_OBJECT
+from .json_schema import SchemaError, compile_schema
 from .logprobs import byte_of_symbol, token_bytes
 from .request import ChatRequest
 from .schema_constraint import SchemaGrammar
@@ -203,11 +204,35 @@ def choose_rows(logits: torch.Tensor, samplers: list[Sampler], contexts: list[to
     return chosen
 
 
-def json_answer_for(request: ChatRequest, vocabulary: JsonVocabulary) -> JsonAnswer | None:
-    """A new answer state for a JSON-mode request (checked: check_json_request), None otherwise."""
+def json_answer_for(request: ChatRequest, vocabulary: JsonVocabulary, family: str) -> JsonAnswer | None:
+    """A new answer state for a JSON-mode request (checked: check_json_request) or for the
+    arguments of a forced gpt-oss call (forced_arguments_grammar), None otherwise."""
     if request.response_format == "text":
-        return None
+        grammar = forced_arguments_grammar(request, family)
+        return None if grammar is None else JsonAnswer(vocabulary, grammar)
     check_json_request(request)
     if request.response_format == "json_schema":
         return JsonAnswer(vocabulary, SchemaGrammar(request.response_schema))
     return JsonAnswer(vocabulary)
+
+
+def forced_arguments_grammar(request: ChatRequest, family: str):
+    """The grammar a forced call's arguments are held to, or None where they are the model's own.
+    gpt-oss writes a call's arguments as one JSON object after the prompt's forced start (up to
+    `<|message|>` when the function is named), so a named call's arguments follow the function's
+    `parameters` schema (compiled strictly when the function says `"strict": true`; a schema that
+    cannot be compiled without strict keeps them to a JSON object). GLM-4.5V writes its arguments
+    as tagged key / value pairs, which no JSON grammar holds; a call whose function the model
+    picks is not held either. Raises ValueError for a strict function whose schema cannot be held to."""
+    forced = request.forced_call
+    if family != "gpt_oss" or forced is None or forced.function is None:
+        return None
+    function = next(t["function"] for t in request.tools if t["function"]["name"] == forced.function)
+    parameters = function.get("parameters") or {"type": "object"}
+    strict = function.get("strict") is True
+    try:
+        return SchemaGrammar(compile_schema(parameters, forced.function, strict=strict))
+    except SchemaError as e:
+        if strict:
+            raise ValueError(f"the parameters of the strict function {forced.function!r} cannot be held to: {e}") from None
+        return JSON_OBJECT

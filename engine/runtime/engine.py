@@ -249,7 +249,8 @@ class Engine:
             raise ValueError(f"max_tokens must be at least 1 (got {sp.max_tokens})")
         limit = self.context_limit
         with self._format_lock:
-            json_answer = json_answer_for(request, self.json_vocabulary)  # None unless JSON mode
+            # None unless JSON mode or a forced call's arguments
+            json_answer = json_answer_for(request, self.json_vocabulary, self.spec.family)
             prompt, dropped = fit_to_context(request, self.formatter.build, limit)
         n = len(prompt.input_ids)
         if n >= limit:
@@ -271,7 +272,7 @@ class Engine:
         with self._format_lock:
             text = TextAssembler(self.formatter.tokenizer, self.spec.family, self.formatter.thinks(request), sp.stop,
                                  request.tools, prefix=self.formatter.answer_prefix(request),
-                                 plain=json_answer is not None)
+                                 plain=request.response_format != "text")
         sampler = Sampler(sp, self.device, prompt_len=len(prompt.input_ids))
         return Sequence(next(self._ids), stream, prompt, sampler, text, limit=limit, eos_ids=self.spec.eos_token_ids,
                         block_size=self.block_size, spans=spans, mrope=mrope, dropped_messages=dropped,

@@ -342,6 +342,22 @@ def test_forced_tool_choice_is_checked_and_passed_on(history):
         assert len(engine.requests) == sent
 
 
+def test_a_strict_function_must_have_a_schema_the_engine_can_hold_to(history):
+    engine = FakeEngine(delay=0.002)
+    strict = {"type": "function", "function": {"name": "find", "strict": True, "parameters": {
+        "type": "object", "properties": {"zip": {"type": "string", "format": "postal-code"}}}}}
+    question = [{"role": "user", "content": "Find 75001"}]
+    with LiveServer(create_app(engine, history)) as srv:
+        r = httpx.post(srv.url + "v1/chat/completions", json={"messages": question, "tools": [WEATHER, strict]})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "tools[1].function.parameters", err
+        assert "'format' at #/properties/zip is not enforced" in err["message"] and "strict" in err["message"]
+        assert engine.requests == []
+        loose = {"type": "function", "function": {**strict["function"], "strict": False}}
+        r = httpx.post(srv.url + "v1/chat/completions", json={"messages": question, "tools": [loose]})
+        assert r.status_code == 200 and engine.requests[-1].tools == (loose,)
+
+
 def test_a_forced_call_from_the_real_engine_comes_out_like_a_chosen_one(demo_runtime, history, monkeypatch):
     tokenizer = demo_runtime.formatter.tokenizer
     # what the model writes after the forced `<tool_call>get_weather\n`, then the end of its turn
