@@ -1,4 +1,5 @@
-"""OpenAI-compatible `/v1/models` and `/v1/chat/completions` over the in-process engine.
+"""OpenAI-compatible `/v1/models`, `/v1/chat/completions` and `/v1/responses` (api_responses.py)
+over the in-process engine.
 
 Wire format follows the OpenAI Chat Completions reference (https://platform.openai.com/docs/api-reference/chat):
 `chat.completion` objects, `chat.completion.chunk` SSE events ending in `data: [DONE]`, and
@@ -35,6 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from localchat.app.api_logprobs import logprobs_json
 from localchat.app.api_errors import ApiError
 from localchat.app.api_request import parse_request, unknown_model
+from localchat.app.api_responses import ResponseBuilder, chat_body, response_events, responses_error
 from localchat.app.api_tools import tool_call_json
 from localchat.app.ui_images import ImageLimits
 from localchat.engine.runtime.request import ChatEngine, Delta, Final, ModelInfo, RequestStream, TokenLogprob
@@ -84,38 +86,33 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
             return e.response()
         return _model_card(info, started)
 
+    async def submit(request: Request, translate=None):
+        """(body, model info, parsed request, engine stream) for a POST whose body `translate`
+        turns into a Chat Completions body (None: it is one). Raises ApiError."""
+        check_key(request)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "The request body is not valid JSON.")
+        info = await run_in_threadpool(engine.info)
+        parsed = await run_in_threadpool(parse_request, translate(body) if translate else body, info, limits)
+        # Building the prompt (tokenizer, image processor) happens inside submit: keep it off the event loop.
+        try:
+            stream = await run_in_threadpool(engine.submit, parsed.chat)
+        except ValueError as e:  # the engine refuses what it cannot run, e.g. a prompt over the context
+            raise _refusal(str(e))
+        return body, info, parsed, stream
+
     @router.post("/chat/completions")
     async def chat_completions(request: Request):
         try:
-            check_key(request)
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ApiError(400, "The request body is not valid JSON.")
-            info = await run_in_threadpool(engine.info)
-            parsed = await run_in_threadpool(parse_request, body, info, limits)
-            # Building the prompt (tokenizer, image processor) happens inside submit: keep it off the event loop.
-            try:
-                stream = await run_in_threadpool(engine.submit, parsed.chat)
-            except ValueError as e:  # the engine refuses what it cannot run, e.g. a prompt over the context
-                raise _refusal(str(e))
+            _, info, parsed, stream = await submit(request)
         except ApiError as e:
             return e.response()
         cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
         if parsed.stream:
-            # The first item decides the status: a refused prompt (its Final comes first) gets an HTTP
-            # error, not a 200 stream that carries the error in-band.
-            it = iter(stream)
-            first = await _unless_gone(request, stream, run_in_threadpool(next, it, None))
-            if first is _GONE:
-                return Response(status_code=499)
-            if isinstance(first, Final) and first.finish_reason == "error":
-                return _failure(first).response()
-            source = _EventSource(stream, it, first)
-            return StreamingResponse(
-                _sse(source, cid, created, info.name, parsed.include_usage, parsed.logprobs),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                background=BackgroundTask(source.close_unless_finished))
+            return await _streamed(request, stream, _failure, lambda source: _sse(
+                source, cid, created, info.name, parsed.include_usage, parsed.logprobs))
         collected = await _unless_gone(request, stream, run_in_threadpool(_collect, stream))
         if collected is _GONE:
             return Response(status_code=499)  # nobody reads it; the request was aborted
@@ -134,14 +131,35 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
                              "finish_reason": _finish(final.finish_reason)}],
                 "usage": _usage(final), "timings": _timings(final)}
 
+    @router.post("/responses")
+    async def responses(request: Request):
+        try:
+            body, info, parsed, stream = await submit(request, chat_body)
+        except ApiError as e:
+            return responses_error(e).response()
+        builder = ResponseBuilder("resp_" + uuid.uuid4().hex, int(time.time()), info.name, body)
+        if parsed.stream:
+            return await _streamed(request, stream, lambda final: responses_error(_failure(final)),
+                                   lambda source: response_events(source, builder))
+        items = await _unless_gone(request, stream, run_in_threadpool(_items, stream))
+        if items is _GONE:
+            return Response(status_code=499)
+        final = items[-1]
+        if final.finish_reason == "error":
+            return responses_error(_failure(final)).response()
+        for item in items[:-1]:
+            builder.feed(item)
+        builder.finish(final)
+        return builder.response(final)
+
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def not_found(path: str, request: Request):
-        if path in ("models", "chat/completions"):
+        if path in ("models", "chat/completions", "responses"):
             allowed = "GET" if path == "models" else "POST"
             return ApiError(405, f"/v1/{path} answers {allowed}, not {request.method}.",
                             code="method_not_allowed").response()
-        return ApiError(404, f"localchat does not serve /v1/{path}; it serves /v1/models and "
-                             "/v1/chat/completions.", code="unknown_url").response()
+        return ApiError(404, f"localchat does not serve /v1/{path}; it serves /v1/models, /v1/chat/completions "
+                             "and /v1/responses.", code="unknown_url").response()
 
     return router
 
@@ -181,6 +199,22 @@ def _model_card(info: ModelInfo, created: int) -> dict:
 _GONE = object()
 
 
+async def _streamed(request: Request, stream: RequestStream, failure, events) -> Response:
+    """The SSE response for an engine stream: events(source) the generator of its events,
+    failure(final) the ApiError for a refusal. The first item decides the status: a refused prompt
+    (its Final comes first) gets an HTTP error, not a 200 stream that carries the error in-band."""
+    it = iter(stream)
+    first = await _unless_gone(request, stream, run_in_threadpool(next, it, None))
+    if first is _GONE:
+        return Response(status_code=499)
+    if isinstance(first, Final) and first.finish_reason == "error":
+        return failure(first).response()
+    source = _EventSource(stream, it, first)
+    return StreamingResponse(events(source), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                             background=BackgroundTask(source.close_unless_finished))
+
+
 async def _unless_gone(request: Request, stream: RequestStream, work):
     """Awaits `work` (a thread-pool call reading `stream`); if the client disconnects first, closes
     the stream (the engine aborts the request, so `work` ends soon) and returns _GONE."""
@@ -204,6 +238,17 @@ class _Answer:
     calls: list
     logprobs: list[TokenLogprob]
     final: Final
+
+
+def _items(stream: RequestStream) -> list:
+    """Every item of an engine stream, its Final last."""
+    items = []
+    try:
+        items = list(stream)
+    finally:
+        if not items or not isinstance(items[-1], Final):
+            stream.close()
+    return items
 
 
 def _collect(stream: RequestStream) -> _Answer:
@@ -303,7 +348,8 @@ def _finish(reason: str) -> str:
 
 def _usage(final: Final) -> dict:
     return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens}
+            "total_tokens": final.prompt_tokens + final.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
 
 
 def _timings(final: Final) -> dict:

@@ -30,9 +30,10 @@ from .schema_constraint import SchemaGrammar
 from .sampling import Sampler, ranked_tokens, to_device
 
 CANDIDATES = 64  # candidates checked in the sampler's order before the whole vocabulary is searched
-# Whitespace characters in a row between JSON tokens: enough for any indentation, and a model
-# caught writing blank lines must go on with the object instead of filling its answer with them.
-MAX_BLANK_RUN = 64
+# Whitespace characters in a row between JSON tokens: a line break and the indentation of an
+# object nested nine deep at two spaces a level, or four deep at four; a model caught writing
+# blank space (a tab a token, for as long as it may) must go on with the object instead.
+MAX_BLANK_RUN = 20
 _WHITESPACE = " \t\n\r"
 _SEARCH_CHUNK = 1024  # tokens brought to the host at a time by that search
 _BYTES = 256  # first-character codes: a token's first byte (its text is read one character a byte)

@@ -191,7 +191,8 @@ class Final:
     """The last item of every stream. finish_reason: "stop" | "length" | "abort" | "error" |
     "tool_calls" (the model stopped after calling tools, and waits for their results).
     dropped_messages: how many messages after the system prompt were left out to fit the context
-    (ChatRequest.overflow "drop_oldest"; 0 otherwise)."""
+    (ChatRequest.overflow "drop_oldest"; 0 otherwise). cached_tokens: how many of the prompt
+    tokens were found in the prefix cache (not computed again)."""
 
     finish_reason: str
     prompt_tokens: int
@@ -200,6 +201,7 @@ class Final:
     prompt_token_ids: tuple[int, ...] = ()
     error: str | None = None
     dropped_messages: int = 0
+    cached_tokens: int = 0
 
 
 StreamItem = Union[Delta, Final]

@@ -225,4 +225,4 @@ class Sequence:
         self.stream.items.put(Final(reason, self.prompt_len, len(self.generated),
                                     self.clock.timings(len(self.generated)),
                                     prompt_token_ids=tuple(self.prompt.input_ids), error=error,
-                                    dropped_messages=self.dropped_messages))
+                                    dropped_messages=self.dropped_messages, cached_tokens=self.reused_tokens))
