@@ -74,8 +74,10 @@ def responses_error(e: ApiError) -> ApiError:
     if e.param:
         head, dot, rest = e.param.partition(".")
         root, bracket, index = head.partition("[")
-        if root in _PARAMS:
-            e.param = _PARAMS[root] + (bracket + index if root != "messages" else "") + dot + rest
+        if root == "messages":  # the messages do not line up with the input items (instructions, merged calls)
+            e.param = "input"
+        elif root in _PARAMS:
+            e.param = _PARAMS[root] + bracket + index + dot + rest
     return e
 
 

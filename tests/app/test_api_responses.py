@@ -131,6 +131,7 @@ def test_images_and_assistant_turns_reach_the_engine(served):
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", ""),
     ({"input": []}, "input", "non-empty list"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "stores none"),
+    ({"input": [{"role": "assistant", "content": "Hello."}]}, "input", "at least one user message"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]}, "input[0].content",
      "data: URL"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "array"}}}},
