@@ -228,7 +228,9 @@ class RemoteStream:
         decode = (last - first) if first is not None else 0.0
         timings = Timings(first_token=(first - start) if first is not None else end - start, decode=decode,
                           decode_tokens_per_s=(completion - 1) / decode if decode > 0 and completion > 1 else 0.0)
-        self._finish(Final(finish, int(usage.get("prompt_tokens") or 0), completion, timings))
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        self._finish(Final(finish, int(usage.get("prompt_tokens") or 0), completion, timings,
+                           cached_tokens=int(cached)))
 
 
 def _model_info(card: dict, base_url: str) -> ModelInfo:

@@ -75,7 +75,7 @@ def answer_stats(final: Final | None, context_length: int, thinking_s: float | N
             "completion_tokens": final.completion_tokens, "context_length": context_length,
             "image_encode_s": t.image_encode, "prefill_s": t.prefill, "first_token_s": t.first_token,
             "decode_s": t.decode, "queued_s": getattr(t, "queued", 0.0), "tokens_per_s": t.decode_tokens_per_s, "thinking_s": thinking_s,
-            "error": final.error, "dropped_messages": final.dropped_messages}
+            "error": final.error, "dropped_messages": final.dropped_messages, "cached_tokens": final.cached_tokens}
 
 
 def status_line(m: StoredMessage) -> tuple[str, str]:
@@ -94,7 +94,7 @@ def status_line(m: StoredMessage) -> tuple[str, str]:
                f"context {used:,} / {s['context_length']:,}")
     details = (f"TTFT {ttft:.3f} s = image encode {s['image_encode_s']:.3f} s + prompt "
                f"{s['prefill_s']:.3f} s + first token {s['first_token_s']:.3f} s  \n"
-               f"{s['prompt_tokens']:,} prompt tokens, {s['completion_tokens']:,} answer tokens, "
+               f"{s['prompt_tokens']:,} prompt tokens{_cached(s)}, {s['completion_tokens']:,} answer tokens, "
                f"decode {s['decode_s']:.2f} s, queued {s.get('queued_s', 0.0):.2f} s, "
                f"finish: {s['finish_reason']}")
     dropped = s.get("dropped_messages", 0)
@@ -106,6 +106,12 @@ def status_line(m: StoredMessage) -> tuple[str, str]:
     if s.get("error"):
         details += f"  \nerror: {s['error']}"
     return summary, details
+
+
+def _cached(stats: dict) -> str:
+    """How many prompt tokens the prefix cache held (stats stored before it was counted have none)."""
+    cached = stats.get("cached_tokens") or 0
+    return f" ({cached:,} of them from the prefix cache)" if cached else ""
 
 
 def model_markdown(info: ModelInfo) -> str:

@@ -389,3 +389,30 @@ def test_a_forced_call_from_the_real_engine_comes_out_like_a_chosen_one(demo_run
         assert [(t.index, t.function.name, json.loads(t.function.arguments))
                 for d in deltas for t in d.tool_calls or ()] == [(0, "get_weather", {"city": "Paris"})]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_prompt_tokens_found_in_the_prefix_cache_are_reported(demo_runtime, history):
+    from types import SimpleNamespace
+
+    from localchat.app.remote import RemoteEngine
+    from localchat.app.ui_render import answer_stats, status_line
+    from localchat.engine.runtime.request import ChatRequest, Message, SamplingParams
+
+    system = f"You are a ship's cook (chat {time.time_ns()}). " + "Answer in one short line. " * 6
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What is for dinner?"}]
+    engine = DemoEngine(demo_runtime, max_tokens=4)
+    with LiveServer(create_app(engine, history)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "v1", api_key="unused", max_retries=0)
+        first = client.chat.completions.create(model="demo", messages=messages, max_tokens=4, temperature=0)
+        again = client.chat.completions.create(model="demo", messages=messages, max_tokens=4, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        cached = again.usage.prompt_tokens_details.cached_tokens
+        assert 0 < cached < again.usage.prompt_tokens
+        # a localchat behind --backend reports it too, and the status line says it
+        request = ChatRequest((Message.text("system", system), Message.text("user", "What is for dinner?")),
+                              SamplingParams(max_tokens=4, temperature=0))
+        final = list(RemoteEngine(srv.url + "v1").submit(request))[-1]
+        assert final.cached_tokens == cached
+        stats = answer_stats(final, 4096, None)
+        _, details = status_line(SimpleNamespace(stats=stats, status="done"))
+        assert f"({cached:,} of them from the prefix cache)" in details
