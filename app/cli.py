@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "think first)")
     run.add_argument("--json-schema", metavar="FILE", default=None,
                      help="like --json-answer, the object also held to the JSON schema in FILE")
+    run.add_argument("-i", "--interactive", action="store_true",
+                     help="a conversation: each line you type is a turn (the default with no question on a "
+                          "terminal); /help lists its commands")
     _add_engine_args(run)
     run.set_defaults(func=cmd_run)
 
@@ -137,18 +140,9 @@ def _sampling(args, model_dir: Path):
 
 
 def _request(args, model_dir: Path):
-    from PIL import UnidentifiedImageError
+    from ..engine.runtime.request import ChatRequest, Message, TextPart
 
-    from ..engine.runtime.request import ChatRequest, ImagePart, Message, TextPart
-
-    images = []
-    for path in args.image:
-        if not Path(path).is_file():
-            raise UserError(f"no such image file: {path}")
-        try:
-            images.append(ImagePart.from_path(path))
-        except (UnidentifiedImageError, OSError) as e:
-            raise UserError(f"{path} is not an image this app can read ({e}); use PNG, JPEG, WebP or GIF") from None
+    images = [_image(path) for path in args.image]
     messages = []
     if args.system:
         messages.append(Message.text("system", args.system))
@@ -158,6 +152,20 @@ def _request(args, model_dir: Path):
                        reasoning_effort=args.reasoning_effort,
                        response_format="json_schema" if schema else "json_object" if args.json_answer else "text",
                        response_schema=schema)
+
+
+def _image(path: str):
+    """The image file at `path` as an ImagePart (raises UserError saying what is wrong with it)."""
+    from PIL import UnidentifiedImageError
+
+    from ..engine.runtime.request import ImagePart
+
+    if not Path(path).is_file():
+        raise UserError(f"no such image file: {path}")
+    try:
+        return ImagePart.from_path(path)
+    except (UnidentifiedImageError, OSError) as e:
+        raise UserError(f"{path} is not an image this app can read ({e}); use PNG, JPEG, WebP or GIF") from None
 
 
 def _schema(path: str):
@@ -292,6 +300,9 @@ def cmd_run(args) -> int:
     from ..engine.runtime.request import Delta, Final
 
     _run_model(args)
+    asked = args.question is not None or args.prompt is not None
+    if args.interactive or (not asked and sys.stdin is not None and sys.stdin.isatty()):
+        return _converse(args)
     args.prompt = _question(args)  # before any download or load, so a missing question fails at once
     args.schema = _schema(args.json_schema) if args.json_schema else None  # likewise a schema it cannot follow
     model_dir = _model_dir(args)
@@ -425,3 +436,46 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _converse(args) -> int:
+    """`localchat run MODEL --interactive`: a conversation in the terminal (app/cli_chat.py)."""
+    from ..engine.runtime.request import ChatRequest, ImagePart, Message
+    from .cli_chat import HELP, TerminalChat
+
+    if args.json or args.json_answer or args.json_schema:
+        raise UserError("--json, --json-answer and --json-schema answer one question; leave them out of a "
+                        "conversation (--interactive)")
+    if args.question is not None and args.prompt is not None:
+        raise UserError("the question was given twice (as PROMPT and with --prompt); give it once")
+
+    def load_image(path: str) -> ImagePart:
+        try:
+            return _image(path)
+        except UserError as e:
+            raise ValueError(str(e)) from None
+
+    images = [_image(p) for p in args.image]  # before the load, as for one question
+    model_dir = _model_dir(args)
+    template = ChatRequest((Message.text("system", args.system),) if args.system else (), _sampling(args, model_dir),
+                           thinking=not args.no_thinking, reasoning_effort=args.reasoning_effort)
+    engine = _load_engine(args, model_dir)
+    chat = TerminalChat(engine, template, load_image, show_reasoning=args.show_reasoning)
+    chat.images = images
+    terminal = sys.stdin.isatty()
+    if terminal:
+        print(f"localchat: {args.model}. {HELP}", file=sys.stderr)
+
+    def read_line(prompt: str) -> str:
+        if terminal:
+            return input(prompt)
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return line.rstrip("\n")
+
+    try:
+        chat.run(read_line, args.prompt if args.prompt is not None else args.question)
+    finally:
+        engine.shutdown()
+    return 0

@@ -253,3 +253,13 @@ def test_a_json_schema_answer_follows_the_schema(tmp_path):
     path.write_text("{not json")
     bad = run_cli("run", "demo", "x", "--json-schema", str(path))
     assert bad.returncode != 0 and "is not JSON" in bad.stderr
+
+
+def test_a_conversation_on_standard_input_keeps_its_turns():
+    out = run_cli("run", "demo", "--interactive", "--max-tokens", "8", "--temperature", "0",
+                  stdin="hello there\n/image nope.png\nand again\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("(cut at --max-tokens)") == 2 and out.stdout.strip()  # two answers of 8 tokens
+    assert "(no such image file: nope.png)" in out.stderr and "Traceback" not in out.stderr
+    refused = run_cli("run", "demo", "--interactive", "--json", stdin="hi\n")
+    assert refused.returncode != 0 and "leave them out of a conversation" in refused.stderr
