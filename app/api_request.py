@@ -46,7 +46,7 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
         raise ApiError(400, f"localchat answers one choice per request: 'n' must be 1 (got {body['n']!r}); "
                             "send several requests for several answers.", param="n")
     logprobs = parse_logprobs(body)
-    tools, forced_call = parse_tools(body)
+    tools, forced_call = parse_tools(body, info.family)
     response_format, response_schema = parse_response_format(body, tools)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:

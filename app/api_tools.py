@@ -7,9 +7,9 @@ from it. "required" and {"type": "function", "function": {"name": NAME}} force a
 writes the start of a call in the model's own syntax after the generation prompt (up to the name
 when one is named), so the model can only go on inside it (ChatRequest.forced_call), and the
 model does not think before a forced call. gpt-oss's arguments to a named forced call are then
-held token by token to the function's `parameters` schema (strictly for a function marked
-`"strict": true`); other calls' arguments are the model's own, not checked against the schema. A
-strict function whose schema the engine could not hold to is refused, whichever model serves it.
+held token by token to the function's `parameters` schema (in full for a function marked
+`"strict": true`, which is refused when its schema cannot be held to); other calls' arguments are
+the model's own, not checked against the schema, strict or not.
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ _CHOICE_SHAPES = ("'tool_choice' may be \"auto\", \"none\", \"required\" or {\"t
                   "\"function\": {\"name\": NAME}} naming one of 'tools'")
 
 
-def parse_tools(body: dict) -> tuple[tuple[dict, ...], ForcedCall | None]:
+def parse_tools(body: dict, family: str) -> tuple[tuple[dict, ...], ForcedCall | None]:
     """(the tools the model is shown, each {"type": "function", "function": {...}}; the call it
-    must make, None when it decides). No tools when none are given or tool_choice is "none"."""
+    must make, None when it decides), for a model of `family`. No tools when none are given or
+    tool_choice is "none"."""
     if body.get("functions") or body.get("function_call"):
         raise ApiError(400, "'functions' and 'function_call' are the deprecated form: send 'tools' "
                             "[{\"type\": \"function\", \"function\": {...}}] instead.", param="functions")
@@ -33,7 +34,9 @@ def parse_tools(body: dict) -> tuple[tuple[dict, ...], ForcedCall | None]:
     choice = body.get("tool_choice")
     if choice == "none":
         return (), None
-    return tools, _forced_call(choice, tools)
+    forced = _forced_call(choice, tools)
+    _check_strict(tools, forced, family)
+    return tools, forced
 
 
 def _tool_list(tools: object) -> tuple[dict, ...]:
@@ -51,20 +54,25 @@ def _tool_list(tools: object) -> tuple[dict, ...]:
         if params is not None and not isinstance(params, dict):
             raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object.",
                            param=f"tools[{i}].function.parameters")
-        if fn.get("strict") is True:
-            _check_strict(fn, i)
         out.append({"type": "function", "function": fn})
     return tuple(out)
 
 
-def _check_strict(fn: dict, i: int) -> None:
-    """A function marked strict must have parameters the engine can hold a call's arguments to
-    (engine/runtime/constrained.forced_arguments_grammar says where it does)."""
+def _check_strict(tools: tuple[dict, ...], forced: ForcedCall | None, family: str) -> None:
+    """Where the engine holds a call's arguments to its function's schema (gpt-oss, a named forced
+    call: engine/runtime/constrained.forced_arguments_grammar), a function marked strict must have
+    one it can hold them to in full."""
+    if family != "gpt_oss" or forced is None or forced.function is None:
+        return
+    i, fn = next((i, t["function"]) for i, t in enumerate(tools) if t["function"]["name"] == forced.function)
+    if fn.get("strict") is not True:
+        return
     try:
         compile_schema(fn.get("parameters") or {"type": "object"}, fn["name"], strict=True)
     except SchemaError as e:
         raise ApiError(400, f"tools[{i}] is strict, but its parameters cannot be held to: {e}. Fix the schema, "
-                            "or leave out \"strict\": true.", param=f"tools[{i}].function.parameters") from None
+                            "or leave out \"strict\": true (what cannot be enforced is then left to the model).",
+                       param=f"tools[{i}].function.parameters") from None
 
 
 def _forced_call(choice: object, tools: tuple[dict, ...]) -> ForcedCall | None:
