@@ -36,7 +36,8 @@ from starlette.concurrency import run_in_threadpool
 from localchat.app.api_logprobs import logprobs_json
 from localchat.app.api_errors import ApiError
 from localchat.app.api_request import parse_request, unknown_model
-from localchat.app.api_responses import ResponseBuilder, chat_body, response_events, responses_error
+from localchat.app.api_responses import (ResponseBuilder, ResponseStore, chat_body, keep, response_events,
+                                        responses_error)
 from localchat.app.api_tools import tool_call_json
 from localchat.app.ui_images import ImageLimits
 from localchat.engine.runtime.request import ChatEngine, Delta, Final, ModelInfo, RequestStream, TokenLogprob
@@ -60,6 +61,7 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
     """Routes under /v1. With `api_key` set every request needs `Authorization: Bearer <api_key>`."""
     router = APIRouter(prefix="/v1")
     started = int(time.time())
+    stored = ResponseStore()  # answered /v1/responses, for previous_response_id
 
     def check_key(request: Request) -> None:
         failure = key_error(request, api_key)
@@ -133,14 +135,22 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
 
     @router.post("/responses")
     async def responses(request: Request):
+        conversation = []
+
+        def translate(body):
+            out = chat_body(body, stored)
+            conversation.extend(out.pop("conversation"))
+            return out
+
         try:
-            body, info, parsed, stream = await submit(request, chat_body)
+            body, info, parsed, stream = await submit(request, translate)
         except ApiError as e:
             return responses_error(e).response()
         builder = ResponseBuilder("resp_" + uuid.uuid4().hex, int(time.time()), info.name, body)
+        builder.conversation = conversation
         if parsed.stream:
             return await _streamed(request, stream, lambda final: responses_error(_failure(final)),
-                                   lambda source: response_events(source, builder))
+                                   lambda source: response_events(source, builder, stored))
         items = await _unless_gone(request, stream, run_in_threadpool(_items, stream))
         if items is _GONE:
             return Response(status_code=499)
@@ -150,6 +160,7 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
         for item in items[:-1]:
             builder.feed(item)
         builder.finish(final)
+        keep(stored, builder, final)
         return builder.response(final)
 
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])

@@ -11,14 +11,18 @@ SSE events (`response.created`, `response.output_item.added`, `response.output_t
 
 The request is translated into the Chat Completions body that api_request.parse_request reads, so
 both endpoints check fields, images, tools and formats the same way; errors name the Responses
-field. localchat stores no responses, so `previous_response_id`, `conversation` and item
-references are refused: send the conversation so far in `input`, as with `store: false`.
+field. Answered responses are kept in memory (the last STORED of them, unless the request says
+`store: false`), so a request may go on from one with `previous_response_id`: its conversation
+(input and output, not its instructions, as OpenAI documents) comes before the new input. They are
+gone when localchat restarts; `conversation` objects and item references are refused.
 """
 from __future__ import annotations
 
 import copy
 import json
+import threading
 import uuid
+from collections import OrderedDict
 
 from localchat.app.api_errors import ApiError
 from localchat.engine.runtime.request import Delta, Final, Timings
@@ -32,14 +36,43 @@ _STATUS = {"stop": "completed", "tool_calls": "completed", "length": "incomplete
            "error": "failed"}
 
 
-def chat_body(body: object) -> dict:
-    """The Chat Completions body for a Responses request (raises ApiError naming the field)."""
+STORED = 64  # responses kept for previous_response_id (their images included, so not many)
+
+
+class ResponseStore:
+    """The conversations of the last STORED responses, by id, as Chat Completions messages
+    (without the instructions, which a following response does not inherit)."""
+
+    def __init__(self, size: int = STORED):
+        self.size = size
+        self._conversations: OrderedDict[str, list[dict]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, rid: str) -> list[dict]:
+        with self._lock:
+            if rid not in self._conversations:
+                raise ApiError(404, f"No response {rid!r} is kept here: localchat keeps the last {self.size} "
+                                    "responses in memory until it restarts, and not those asked with store: false. "
+                                    "Send the conversation so far in 'input' instead.",
+                               param="previous_response_id", code="response_not_found")
+            self._conversations.move_to_end(rid)
+            return list(self._conversations[rid])
+
+    def put(self, rid: str, conversation: list[dict]) -> None:
+        with self._lock:
+            self._conversations[rid] = conversation
+            while len(self._conversations) > self.size:
+                self._conversations.popitem(last=False)
+
+
+def chat_body(body: object, store: ResponseStore | None = None) -> dict:
+    """The Chat Completions body for a Responses request (raises ApiError naming the field); with
+    `previous_response_id`, the stored conversation comes first."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
-    for field in ("previous_response_id", "conversation"):
-        if body.get(field):
-            raise ApiError(400, f"localchat stores no responses, so '{field}' cannot be followed: send the "
-                                "conversation so far in 'input' (as with store: false).", param=field)
+    if body.get("conversation"):
+        raise ApiError(400, "localchat keeps no conversation objects: go on from a response with "
+                            "'previous_response_id', or send the conversation so far in 'input'.", param="conversation")
     if body.get("background"):
         raise ApiError(400, "localchat answers in the foreground: leave out 'background' (or stream the answer).",
                        param="background")
@@ -52,8 +85,12 @@ def chat_body(body: object) -> dict:
         if not isinstance(body["instructions"], str):
             raise ApiError(400, "'instructions' must be a string.", param="instructions")
         messages.append({"role": "system", "content": body["instructions"]})
-    messages += _messages(body.get("input"))
-    out["messages"] = messages
+    before = body.get("previous_response_id")
+    if before is not None and not isinstance(before, str):
+        raise ApiError(400, "'previous_response_id' must be a response id.", param="previous_response_id")
+    conversation = (store.get(before) if before and store is not None else []) + _messages(body.get("input"))
+    out["messages"] = messages + conversation
+    out["conversation"] = conversation  # what a stored response keeps; taken out before the parse
     if body.get("max_output_tokens") is not None:
         out["max_tokens"] = body["max_output_tokens"]
     if body.get("tools"):
@@ -199,6 +236,7 @@ class ResponseBuilder:
 
     def __init__(self, rid: str, created: int, model: str, body: dict):
         self.rid, self.created, self.model, self.body = rid, created, model, body
+        self.conversation: list[dict] = []  # the request's conversation, as chat_body made it
         self.items: list[dict] = []
         self.open: int | None = None  # index of the reasoning or message item being written
         self.reasoning_tokens = 0
@@ -212,7 +250,8 @@ class ResponseBuilder:
                "model": self.model, "output": copy.deepcopy(self.items) if final is not None else [],
                "error": None, "incomplete_details": None, "instructions": body.get("instructions"),
                "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
-               "parallel_tool_calls": body.get("parallel_tool_calls", True), "previous_response_id": None,
+               "parallel_tool_calls": body.get("parallel_tool_calls", True),
+               "previous_response_id": body.get("previous_response_id"), "store": body.get("store", True) is not False,
                "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"), "summary": None},
                "temperature": body.get("temperature"), "top_p": body.get("top_p"),
                "text": {"format": fmt or {"type": "text"}}, "tool_choice": body.get("tool_choice", "auto"),
@@ -250,6 +289,19 @@ class ResponseBuilder:
                        {"type": "response.function_call_arguments.done", **where, "arguments": call.arguments},
                        {"type": "response.output_item.done", "output_index": index, "item": copy.deepcopy(item)}]
         return events
+
+    def answered(self) -> list[dict]:
+        """The conversation with this response's output as the assistant's turn, as chat messages."""
+        turn = {"role": "assistant", "content": "".join(
+            p["text"] for i in self.items if i["type"] == "message" for p in i["content"]) or None}
+        reasoning = "".join(p["text"] for i in self.items if i["type"] == "reasoning" for p in i["content"])
+        if reasoning:
+            turn["reasoning_content"] = reasoning
+        calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+                 for i in self.items if i["type"] == "function_call"]
+        if calls:
+            turn["tool_calls"] = calls
+        return self.conversation + [turn]
 
     def finish(self, final: Final) -> list[dict]:
         """The events that close the open item and end the response."""
@@ -305,7 +357,13 @@ class ResponseBuilder:
                 {"type": "response.output_item.done", "output_index": index, "item": copy.deepcopy(item)}]
 
 
-async def response_events(source, builder: ResponseBuilder):
+def keep(store: ResponseStore, builder: ResponseBuilder, final: Final) -> None:
+    """Stores an answered response unless its request said store: false."""
+    if final.finish_reason in ("stop", "tool_calls", "length") and builder.body.get("store", True) is not False:
+        store.put(builder.rid, builder.answered())
+
+
+async def response_events(source, builder: ResponseBuilder, store: ResponseStore):
     """SSE for one streamed response. `source` is the api's event source over the engine stream
     (async `next()`, `finished`, `close_unless_finished()`); leaving early closes it, which aborts
     the request."""
@@ -326,7 +384,9 @@ async def response_events(source, builder: ResponseBuilder):
                 item = Final("error", 0, 0, Timings(), error="The engine stopped before the answer ended.")
             if isinstance(item, Final):
                 source.finished = True
-                for event in builder.finish(item):
+                events = builder.finish(item)
+                keep(store, builder, item)
+                for event in events:
                     yield sse(event)
                 break
             for event in builder.feed(item):

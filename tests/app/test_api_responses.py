@@ -126,7 +126,7 @@ def test_images_and_assistant_turns_reach_the_engine(served):
 
 
 @pytest.mark.parametrize("fields,param,phrase", [
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation", "keeps no conversation objects"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "function tools only"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", ""),
     ({"input": []}, "input", "non-empty list"),
@@ -163,3 +163,48 @@ def test_the_real_engine_answers_to_a_schema_streamed_or_not(demo_runtime, histo
         # a second turn over the same prefix finds it in the cache
         again = client.responses.create(model="demo", input="A colour as JSON.", text=fmt, temperature=0)
         assert again.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_a_response_goes_on_from_a_stored_one(served):
+    call = ToolCall("call_9", "get_weather", '{"city": "Oslo"}')
+    engine, client, url = served()
+    first = client.responses.create(model="fake-glm", input="My name is Ada.", instructions="Be brief.")
+    second = client.responses.create(model="fake-glm", previous_response_id=first.id, input="What is my name?")
+    user, answer, question = engine.requests[-1].messages  # instructions are not inherited
+    assert (user.role, answer.role, question.role) == ("user", "assistant", "user")
+    assert answer.content[0].text == first.output_text and answer.reasoning == "Let me look. "
+    assert second.previous_response_id == first.id
+    # streamed responses are kept too, and chains go on
+    streamed = list(client.responses.create(model="fake-glm", previous_response_id=second.id, input="Again?",
+                                            stream=True))[-1].response
+    client.responses.create(model="fake-glm", previous_response_id=streamed.id, input="Once more?")
+    assert [m.role for m in engine.requests[-1].messages] == ["user", "assistant"] * 3 + ["user"]
+    # store: false keeps nothing to go on from
+    private = client.responses.create(model="fake-glm", input="A secret.", store=False)
+    r = httpx.post(url + "/responses", json={"model": "fake-glm", "previous_response_id": private.id, "input": "?"})
+    err = r.json()["error"]
+    assert r.status_code == 404 and err["code"] == "response_not_found" and "store: false" in err["message"]
+    # a function call, then its output in the next request
+    engine.calls = (call,)
+    asked = client.responses.create(model="fake-glm", input="Weather in Oslo?", tools=[WEATHER])
+    client.responses.create(model="fake-glm", previous_response_id=asked.id, tools=[WEATHER], input=[
+        {"type": "function_call_output", "call_id": "call_9", "output": "Snow"}])
+    user, calling, result = engine.requests[-1].messages
+    assert [(c.id, c.name) for c in calling.tool_calls] == [("call_9", "get_weather")]
+    assert (result.role, result.tool_call_id, result.content[0].text) == ("tool", "call_9", "Snow")
+
+
+def test_only_the_last_responses_are_kept():
+    from localchat.app.api_errors import ApiError
+    from localchat.app.api_responses import ResponseStore
+
+    store = ResponseStore(size=2)
+    for rid in ("a", "b", "c"):
+        store.put(rid, [{"role": "user", "content": rid}])
+    store.get("b")  # used: kept longer than c
+    store.put("d", [])
+    with pytest.raises(ApiError):
+        store.get("a")
+    with pytest.raises(ApiError):
+        store.get("c")
+    assert store.get("b") == [{"role": "user", "content": "b"}] and store.get("d") == []
