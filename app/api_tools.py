@@ -6,10 +6,10 @@ Completions reference (https://platform.openai.com/docs/api-reference/chat).
 from it. "required" and {"type": "function", "function": {"name": NAME}} force a call: the engine
 writes the start of a call in the model's own syntax after the generation prompt (up to the name
 when one is named), so the model can only go on inside it (ChatRequest.forced_call), and the
-model does not think before a forced call. gpt-oss's arguments to a named forced call are then
-held token by token to the function's `parameters` schema (in full for a function marked
-`"strict": true`, which is refused when its schema cannot be held to); other calls' arguments are
-the model's own, not checked against the schema, strict or not.
+model does not think before a forced call. The arguments of a named forced call are then held
+token by token to the function's `parameters` schema (in full for a function marked `"strict":
+true`, which is refused when its schema cannot be held to); other calls' arguments are the
+model's own, not checked against the schema, strict or not.
 """
 from __future__ import annotations
 
@@ -59,10 +59,10 @@ def _tool_list(tools: object) -> tuple[dict, ...]:
 
 
 def _check_strict(tools: tuple[dict, ...], forced: ForcedCall | None, family: str) -> None:
-    """Where the engine holds a call's arguments to its function's schema (gpt-oss, a named forced
-    call: engine/runtime/constrained.forced_arguments_grammar), a function marked strict must have
-    one it can hold them to in full."""
-    if family != "gpt_oss" or forced is None or forced.function is None:
+    """Where the engine holds a call's arguments to its function's schema (a named forced call:
+    engine/runtime/constrained.forced_arguments_grammar), a function marked strict must have one
+    it can hold them to in full."""
+    if family not in ("gpt_oss", "glm4v_moe") or forced is None or forced.function is None:
         return
     i, fn = next((i, t["function"]) for i, t in enumerate(tools) if t["function"]["name"] == forced.function)
     if fn.get("strict") is not True:

@@ -134,11 +134,16 @@ BOOKING = {"type": "function", "function": {
         "required": ["restaurant", "people", "time", "terrace"], "additionalProperties": False}}}
 
 
+# tokens that end what a random model would write forever (strings, numbers), in each family's format
+ENDINGS = {"gpt-oss-mxfp4": ('"', "}", ",", ":"), "glm-bf16": ("</arg_value>", "</tool_call>", '"', "<")}
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-mxfp4", "glm-bf16"])
 @pytest.mark.parametrize("seed", [None, 1, 2])
-def test_gpt_oss_arguments_to_a_named_call_follow_its_schema(engines, seed, monkeypatch):
-    engine = engines("gpt-oss-mxfp4")
+def test_arguments_to_a_named_call_follow_its_schema(engines, name, seed, monkeypatch):
+    engine = engines(name)
     # a random model writes strings forever: lean it towards ending them, as test_json_mode does
-    ends = [engine.formatter.tokenizer.convert_tokens_to_ids(t) for t in ('"', "}", ",", ":")]
+    ends = [engine.formatter.tokenizer.convert_tokens_to_ids(t) for t in ENDINGS[name]]
     run = engine.runner.run
 
     def leaning(plan):
@@ -173,8 +178,11 @@ def test_a_strict_function_the_engine_cannot_hold_to_is_refused(engines):
     grammar = constrained.forced_arguments_grammar(
         ChatRequest(QUESTION, tools=(loose,), forced_call=ForcedCall("find")), "gpt_oss")
     assert grammar.advance(grammar.start, '{"zip": "abc"}') and grammar.advance(grammar.start, '{"zip": 3') is None
-    # GLM-4.5V's tagged arguments and calls the model names itself are left to the model
-    assert constrained.forced_arguments_grammar(
-        ChatRequest(QUESTION, tools=(loose,), forced_call=ForcedCall("find")), "glm4v_moe") is None
+    # GLM-4.5V's tagged arguments likewise; calls the model names itself are left to the model
+    tagged = constrained.forced_arguments_grammar(
+        ChatRequest(QUESTION, tools=(loose,), forced_call=ForcedCall("find")), "glm4v_moe")
+    assert tagged.is_complete(tagged.advance(tagged.start, "<arg_key>zip</arg_key>\n<arg_value>abc</arg_value>\n"
+                                                           "</tool_call>"))
+    assert tagged.advance(tagged.start, "<arg_key>city") is None
     assert constrained.forced_arguments_grammar(
         ChatRequest(QUESTION, tools=(loose,), forced_call=ForcedCall()), "gpt_oss") is None

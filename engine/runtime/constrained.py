@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .json_constraint import JSON_OBJECT
+from .glm_arguments import MARKUP, glm_arguments_grammar
 from .json_schema import SchemaError, compile_schema
 from .logprobs import byte_of_symbol, token_bytes
 from .request import ChatRequest
@@ -75,16 +76,26 @@ class JsonVocabulary:
         self.tokenizer, self.vocab_size, self.excluded, self.device = tokenizer, vocab_size, excluded, device
         self.texts: list[str | None] | None = None
         self.first_codes: torch.Tensor | None = None  # [V] int64: each token's first-character code
+        # GLM's argument tags, special tokens that a grammar reading markup takes as their text
+        self.markup: dict[int, str] = {}
+        self.markup_first_codes: torch.Tensor | None = None
 
     def build(self) -> "JsonVocabulary":
         if self.texts is None:
             texts = _token_texts(self.tokenizer, self.vocab_size, self.excluded)
             codes = [_NEVER if t is None else ord(t[0]) for t in texts]
             self.first_codes = torch.tensor(codes).to(self.device)
+            added = self.tokenizer.added_tokens_decoder
+            self.markup = {i: t.content for i, t in added.items() if t.content in MARKUP and i < self.vocab_size}
+            for i, text in self.markup.items():
+                codes[i] = ord(text[0])
+            self.markup_first_codes = torch.tensor(codes).to(self.device)
             self.texts = texts
         return self
 
-    def text(self, token: int) -> str | None:
+    def text(self, token: int, markup: bool = False) -> str | None:
+        if markup and token in self.markup:
+            return self.markup[token]
         return self.texts[token] if 0 <= token < len(self.texts) else None
 
     def first_character_allowed(self, grammar, state) -> torch.Tensor:
@@ -92,7 +103,8 @@ class JsonVocabulary:
         from `state`. Necessary for the token to continue the object, not sufficient (the rest of
         its text must too)."""
         allowed = [grammar.advance(state, chr(c)) is not None for c in range(_BYTES)] + [False]
-        return to_device(self.device, allowed, torch.bool)[self.first_codes]
+        codes = self.markup_first_codes if getattr(grammar, "reads_markup", False) else self.first_codes
+        return to_device(self.device, allowed, torch.bool)[codes]
 
 
 def _token_texts(tokenizer, vocab_size: int, excluded: tuple[int, ...]) -> list[str | None]:
@@ -127,6 +139,7 @@ class JsonAnswer:
     def __init__(self, vocabulary: JsonVocabulary, grammar=JSON_OBJECT):
         self.vocabulary = vocabulary.build()
         self.grammar = grammar
+        self.markup = getattr(grammar, "reads_markup", False)
         self.state = grammar.start
         self.blank_run = 0
 
@@ -136,7 +149,7 @@ class JsonAnswer:
 
     def after(self, token: int) -> tuple[tuple, int] | None:
         """(state, blank run) after `token`, or None when it does not continue the object."""
-        text = self.vocabulary.text(token)
+        text = self.vocabulary.text(token, self.markup)
         if text is None or (self.state is self.grammar.start and text[0] in _WHITESPACE):
             return None  # the answer starts with its "{"
         state = self.grammar.advance(self.state, text)
@@ -218,22 +231,24 @@ def json_answer_for(request: ChatRequest, vocabulary: JsonVocabulary, family: st
 
 
 def forced_arguments_grammar(request: ChatRequest, family: str):
-    """The grammar a forced call's arguments are held to, or None where they are the model's own.
-    gpt-oss writes a call's arguments as one JSON object after the prompt's forced start (up to
-    `<|message|>` when the function is named), so a named call's arguments follow the function's
-    `parameters` schema (compiled strictly when the function says `"strict": true`; a schema that
-    cannot be compiled without strict keeps them to a JSON object). GLM-4.5V writes its arguments
-    as tagged key / value pairs, which no JSON grammar holds; a call whose function the model
-    picks is not held either. Raises ValueError for a strict function whose schema cannot be held to."""
+    """The grammar a named forced call's arguments are held to, or None where they are the model's
+    own: the function's `parameters` schema (compiled strictly when the function says `"strict":
+    true`), as one JSON object for gpt-oss (written after the forced start, up to `<|message|>`;
+    a schema that cannot be compiled without strict keeps them to a JSON object) and as GLM-4.5V's
+    tagged key / value pairs (glm_arguments.py). A call whose function the model picks is not held.
+    Raises ValueError for a strict function whose schema cannot be held to."""
     forced = request.forced_call
-    if family != "gpt_oss" or forced is None or forced.function is None:
+    if family not in ("gpt_oss", "glm4v_moe") or forced is None or forced.function is None:
         return None
-    function = next(t["function"] for t in request.tools if t["function"]["name"] == forced.function)
+    function = next((t["function"] for t in request.tools if t["function"]["name"] == forced.function), None)
+    if function is None:
+        return None  # not a call the engine makes: forced_call_prefix says why
     parameters = function.get("parameters") or {"type": "object"}
     strict = function.get("strict") is True
     try:
-        return SchemaGrammar(compile_schema(parameters, forced.function, strict=strict))
+        schema = compile_schema(parameters, forced.function, strict=strict)
     except SchemaError as e:
         if strict:
             raise ValueError(f"the parameters of the strict function {forced.function!r} cannot be held to: {e}") from None
-        return JSON_OBJECT
+        return JSON_OBJECT if family == "gpt_oss" else None
+    return SchemaGrammar(schema) if family == "gpt_oss" else glm_arguments_grammar(schema.root, parameters)

@@ -96,8 +96,8 @@ class ForcedCall:
     """The answer must be a function call: to `function`, or to whichever of the request's tools
     the model picks when None (OpenAI's tool_choice {"type": "function", "function": {"name"}}
     and "required"). The engine writes the start of the call after the generation prompt; the
-    arguments are the model's own, except gpt-oss's to a named function, which follow its
-    parameters' schema (constrained.forced_arguments_grammar)."""
+    arguments of a call to a named function follow its parameters' schema
+    (constrained.forced_arguments_grammar); those of a call the model names are its own."""
 
     function: str | None = None
 

@@ -11,6 +11,7 @@ from demo_engine import DemoEngine, slow_steps, without_end_of_text
 from fake_engine import FakeEngine
 from live_server import LiveServer, png_bytes
 from localchat.app.ui import create_app
+from localchat.engine.runtime import constrained
 from localchat.engine.runtime import engine as engine_module
 from localchat.engine.runtime.request import Final, ForcedCall, ImagePart, TextPart, ToolCall
 from localchat.engine.spec import SamplingDefaults
@@ -344,6 +345,7 @@ def test_forced_tool_choice_is_checked_and_passed_on(history):
 
 @pytest.mark.parametrize("reasoning,family", [("thinking", "glm4v_moe"), ("channels", "gpt_oss")])
 def test_a_strict_function_is_refused_only_where_its_arguments_would_be_held(history, reasoning, family):
+    """(a named call, in either family)"""
     engine = FakeEngine(delay=0.002, reasoning=reasoning)
     assert engine.info().family == family
     strict = {"type": "function", "function": {"name": "find", "strict": True, "parameters": {
@@ -355,15 +357,14 @@ def test_a_strict_function_is_refused_only_where_its_arguments_would_be_held(his
             return httpx.post(srv.url + "v1/chat/completions", json={"messages": question, **fields})
 
         assert post(tools=[WEATHER, strict]).status_code == 200  # the model decides: nothing is held
+        assert post(tools=[WEATHER, strict], tool_choice="required").status_code == 200
+        # a named call is held to its schema, which it cannot be in full
         r = post(tools=[WEATHER, strict], tool_choice=named)
-        if family == "glm4v_moe":  # GLM-4.5V's tagged arguments are never held
-            assert r.status_code == 200
-        else:  # gpt-oss's named call is held to its schema, which it cannot be in full
-            err = r.json()["error"]
-            assert r.status_code == 400 and err["param"] == "tools[1].function.parameters", err
-            assert "'format' at #/properties/zip is not enforced" in err["message"] and "strict" in err["message"]
-            loose = {"type": "function", "function": {**strict["function"], "strict": False}}
-            assert post(tools=[loose], tool_choice=named).status_code == 200
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "tools[1].function.parameters", err
+        assert "'format' at #/properties/zip is not enforced" in err["message"] and "strict" in err["message"]
+        loose = {"type": "function", "function": {**strict["function"], "strict": False}}
+        assert post(tools=[loose], tool_choice=named).status_code == 200
 
 
 def test_a_forced_call_from_the_real_engine_comes_out_like_a_chosen_one(demo_runtime, history, monkeypatch):
@@ -377,6 +378,8 @@ def test_a_forced_call_from_the_real_engine_comes_out_like_a_chosen_one(demo_run
         return [next(tokens)]
 
     monkeypatch.setattr(engine_module, "sample_tokens", scripted)
+    # the arguments of a named call are chosen by its schema's grammar: the script stands in there too
+    monkeypatch.setattr(constrained.JsonAnswer, "choose", lambda answer, logits, sampler, context: next(tokens))
     engine = DemoEngine(demo_runtime, max_tokens=50)
     named = {"type": "function", "function": {"name": "get_weather"}}
     question = [{"role": "user", "content": "Weather in Paris?"}]
