@@ -5,7 +5,8 @@ forked where a value may take more than one shape (anyOf, a list of types) and d
 text stops fitting it, so the state stays small (usually one thread: the first character of a
 value settles most choices). Frames are immutable tuples and checking a continuation never
 changes the state it starts from, as in json_constraint.py. An empty stack is a document whose
-top-level object has closed; only whitespace may follow it.
+top-level value has ended (an object for an answer; any value for a tagged GLM argument,
+glm_arguments.py); only whitespace may follow it.
 
 Text is read as in json_constraint.py: one character per byte of the token's UTF-8 text
 (Latin-1), so keys and enum texts (kept in the same view by json_schema.py) match byte by byte.
@@ -65,7 +66,7 @@ _INTEGER_NEXT = {MINUS: _NUMBER_NEXT[MINUS], ZERO: {}, INTEGER: dict.fromkeys(_D
 _ANY_BY_FIRST = {"{": ANY_OBJECT, "[": ANY_ARRAY, '"': ANY_STRING, "t": ANY_LITERAL, "f": ANY_LITERAL,
                  "n": ANY_LITERAL, **dict.fromkeys("-" + _DIGITS, ANY_NUMBER)}
 
-Thread = tuple  # frames, innermost last; () once the top-level object has closed
+Thread = tuple  # frames, innermost last; () once the top-level value has ended
 SchemaState = tuple  # threads
 
 
