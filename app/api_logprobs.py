@@ -1,6 +1,7 @@
 """Log probabilities on /v1/chat/completions: the request's `logprobs` and `top_logprobs` in, each
 choice's `logprobs` out, in the shapes of OpenAI's Chat Completions reference
-(https://platform.openai.com/docs/api-reference/chat/object).
+(https://platform.openai.com/docs/api-reference/chat/object); and `logit_bias`, the token ids
+whose logits the request shifts.
 
 A choice's logprobs are {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
 "logprob", "bytes"}]}], "refusal": null}, one entry per generated token (engine/runtime/logprobs.py
@@ -8,12 +9,15 @@ says which distribution the values come from).
 """
 from __future__ import annotations
 
+import json
+
 from localchat.app.api_errors import ApiError
 from localchat.engine.runtime.request import TokenLogprob
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 # OpenAI's value for a token the model gives no probability (JSON has no -Infinity).
 LEAST_LOGPROB = -9999.0
+MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias: any ban list, but bounded
 
 
 def parse_logprobs(body: dict) -> int | None:
@@ -32,6 +36,27 @@ def parse_logprobs(body: dict) -> int | None:
     if not wanted:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
     return int(top)
+
+
+def parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """SamplingParams.logit_bias from `logit_bias`: {token id (as a string): bias from -100 to 100},
+    the ids checked against the model's vocabulary when it is known."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    shape = "'logit_bias' maps token ids to biases from -100 to 100, e.g. {\"1734\": -100}"
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"{shape}, at most {MAX_LOGIT_BIAS} of them.", param="logit_bias")
+    out = []
+    for token, value in bias.items():
+        if not str(token).isdigit() or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not -100 <= value <= 100:
+            raise ApiError(400, f"{shape} (got {json.dumps({token: value})}).", param="logit_bias")
+        if vocab_size is not None and int(token) >= vocab_size:
+            raise ApiError(400, f"'logit_bias' names token id {token}, but this model's token ids run from 0 to "
+                                f"{vocab_size - 1}.", param="logit_bias")
+        out.append((int(token), float(value)))
+    return tuple(out)
 
 
 def logprobs_json(entries: list[TokenLogprob]) -> dict:

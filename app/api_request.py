@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from localchat.app.api_errors import ApiError
 from localchat.app.api_format import parse_response_format
-from localchat.app.api_logprobs import parse_logprobs
+from localchat.app.api_logprobs import parse_logit_bias, parse_logprobs
 from localchat.app.api_tools import parse_tool_calls, parse_tools
 from localchat.app.defaults import ANSWER_TOKENS
 from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_image
@@ -77,6 +77,7 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
                     1, 1, info.context_length, integer=True)),
         stop=stop or (),
         logprobs=logprobs,
+        logit_bias=parse_logit_bias(body, info.vocab_size),
     )
     effort = body.get("reasoning_effort", "medium")
     if effort not in ("none", "minimal", "low", "medium", "high"):

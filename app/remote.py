@@ -123,6 +123,8 @@ class RemoteEngine:
                 "name": schema.name, "schema": schema.source, "strict": schema.strict}}
         elif request.response_format != "text":
             body["response_format"] = {"type": request.response_format}
+        if sp.logit_bias:
+            body["logit_bias"] = {str(token): bias for token, bias in sp.logit_bias}
         if sp.logprobs is not None:
             body["logprobs"] = True
             if sp.logprobs:

@@ -65,3 +65,21 @@ def test_presence_and_frequency_penalties_count_the_generated_tokens():
     assert sample_tokens(batch, samplers, contexts) == \
         [sample_tokens(batch[i:i + 1], [Sampler(p, prompt_len=2)], [contexts[i]])[0] for i, p in enumerate(rows)]
     assert sample_tokens(batch, samplers, contexts)[:2] == [1, 0]
+
+
+def test_logit_bias_bans_and_forces_tokens():
+    logits = torch.randn(3, 50) * 2
+    top = logits.argmax(dim=-1).tolist()
+    banned = [Sampler(SamplingParams(temperature=0, logit_bias=((t, -100.0),))) for t in top]
+    context = torch.tensor([1, 2, 3])
+    chosen = sample_tokens(logits, banned, [context] * 3)
+    assert all(c != t for c, t in zip(chosen, top))
+    assert chosen == [logits[b].clone().index_fill_(0, torch.tensor([top[b]]), -1e9).argmax().item()
+                      for b in range(3)]
+    low = logits.argmin(dim=-1).tolist()
+    forced = [Sampler(SamplingParams(temperature=1.0, seed=s, logit_bias=((low[b], 100.0),))) for b, s in
+              enumerate((1, 2, 3))]
+    assert sample_tokens(logits, forced, [context] * 3) == low
+    # a bias on one row leaves the others as they were
+    free = Sampler(SamplingParams(temperature=0))
+    assert sample_tokens(logits, [banned[0], free, free], [context, None, None])[1:] == top[1:]

@@ -164,7 +164,7 @@ class Engine:
             placement=self.workers.placement if self.workers else str(self.device), weights_bytes=self.weights_bytes,
             kv_cache_bytes=kv_bytes, kv_cache_tokens=self.pool.num_blocks * self.block_size,
             kv_window_tokens=self.sliding_pool.num_blocks * self.block_size if self.sliding_pool else None,
-            sampling=self.spec.sampling, weights_format=self.weights_format)
+            sampling=self.spec.sampling, weights_format=self.weights_format, vocab_size=self.spec.vocab_size)
 
     def submit(self, request: ChatRequest) -> EngineStream:
         """Queues a request; returns its stream at once. Refusals arrive as a Final("error")."""
@@ -247,6 +247,9 @@ class Engine:
         sp = request.sampling
         if sp.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1 (got {sp.max_tokens})")
+        if any(not 0 <= token < self.spec.vocab_size for token, _ in sp.logit_bias):
+            raise ValueError(f"logit_bias names a token id outside this model's vocabulary (0 to "
+                             f"{self.spec.vocab_size - 1})")
         limit = self.context_limit
         with self._format_lock:
             # None unless JSON mode or a forced call's arguments

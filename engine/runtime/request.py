@@ -76,7 +76,9 @@ class SamplingParams:
     (1.0: off) the whole context. logprobs: None returns no log-probabilities; 0 returns each
     generated token's own (Delta.logprobs); N > 0 also the N most likely tokens at its position.
     They are the model's distribution (log_softmax of the raw logits), before the penalties,
-    temperature and filters above change it for sampling."""
+    temperature and filters above change it for sampling. logit_bias: (token id, bias) pairs
+    added to those tokens' logits before the choice (OpenAI's, -100 to 100: -100 bans a token,
+    100 all but forces it)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -89,6 +91,7 @@ class SamplingParams:
     max_tokens: int = 1024
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,8 @@ class ModelInfo:
     only each conversation's recent tokens; None: no such layers, or unknown). sampling: what the
     checkpoint recommends (new chats and API requests start from it; unknown fields None).
     weights_format: how the weights are held, in words ("FP8, channel scales", "MXFP4 experts,
-    bf16 elsewhere", ...; None: unknown)."""
+    bf16 elsewhere", ...; None: unknown). vocab_size: how many token ids the model scores (None:
+    unknown)."""
 
     name: str
     family: str
@@ -239,6 +243,7 @@ class ModelInfo:
     kv_window_tokens: int | None = None
     sampling: SamplingDefaults = SamplingDefaults()
     weights_format: str | None = None
+    vocab_size: int | None = None
 
 
 class ChatEngine(Protocol):

@@ -82,15 +82,23 @@ class Sampler:
 
     @property
     def penalised(self) -> bool:
+        """Whether the logits change before the choice: penalties over the context, or a logit bias."""
         p = self.params
-        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                or bool(p.logit_bias))
 
     def penalise(self, logits: torch.Tensor, context_ids: torch.Tensor) -> torch.Tensor:
-        """logits [V] float32 -> with this request's penalties over context_ids (prompt, then generated)."""
+        """logits [V] float32 -> with this request's penalties over context_ids (prompt, then
+        generated) and its logit bias."""
         p = self.params
         logits = apply_repetition_penalty(logits, context_ids, p.repetition_penalty)
-        return apply_presence_frequency(logits, context_ids[self.prompt_len:], p.presence_penalty,
-                                        p.frequency_penalty)
+        logits = apply_presence_frequency(logits, context_ids[self.prompt_len:], p.presence_penalty,
+                                          p.frequency_penalty)
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias)
+            logits = logits.index_add(0, to_device(logits.device, list(ids)),
+                                      to_device(logits.device, list(biases), torch.float32))
+        return logits
 
     def __call__(self, logits: torch.Tensor, context_ids: torch.Tensor) -> int:
         """logits [V] float32; context_ids: prompt and generated ids so far."""

@@ -111,3 +111,34 @@ def test_the_real_engine_lists_every_generated_token(demo):
     assert len(entries) == r.usage.completion_tokens
     assert "".join(e.token for e in entries) == \
         f"<think>{message.model_extra['reasoning_content']}</think>{message.content}<|endoftext|>"
+
+
+def test_logit_bias_shifts_the_real_engines_choice(demo_runtime, history):
+    from localchat.app.remote import RemoteEngine
+    from localchat.engine.runtime.request import ChatRequest, Message, SamplingParams
+
+    token = demo_runtime.formatter.tokenizer.convert_tokens_to_ids("x")
+    question = [{"role": "user", "content": "Say something."}]
+    with LiveServer(create_app(DemoEngine(demo_runtime, max_tokens=50), history)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model="demo", messages=question, max_tokens=4, temperature=0,
+                                           logit_bias={str(token): 100}, logprobs=True,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert r.choices[0].message.content == "xxxx"
+        assert [e.token for e in r.choices[0].logprobs.content] == ["x"] * 4
+        # banned, it never comes, sampled or not
+        for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 5}):
+            r = client.chat.completions.create(model="demo", messages=question, max_tokens=12, logprobs=True,
+                                               logit_bias={str(token): -100}, **sampling)
+            assert "x" not in [e.token for e in r.choices[0].logprobs.content]
+        for bias, phrase in (({"x": 1}, "maps token ids to biases"), ({str(token): 101}, "from -100 to 100"),
+                             ({"123456789": 5}, "token ids run from 0 to")):
+            err = httpx.post(srv.url + "v1/chat/completions", json={"messages": question, "logit_bias": bias}).json()
+            assert err["error"]["param"] == "logit_bias" and phrase in err["error"]["message"], err
+        # a localchat behind --backend gets it passed on
+        request = ChatRequest((Message.text("user", "Say something."),),
+                              SamplingParams(max_tokens=3, temperature=0, logit_bias=((token, 100.0),)))
+        remote = RemoteEngine(srv.url + "v1")
+        assert remote._body(request)["logit_bias"] == {str(token): 100.0}
+        final = list(remote.submit(request))[-1]
+        assert final.finish_reason == "length"

@@ -137,3 +137,25 @@ def test_decode_steps_launched_ahead_on_cuda_return_the_eager_values(tmp_path):
     assert [len(entries) for _, entries, _ in got] == [24, 24, 0]
     eager.shutdown()
     engine.shutdown()
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["eager", "ahead"])
+def test_a_logit_bias_bans_a_token_beside_requests_without_one(oss, ahead):
+    """The row with a bias loses the token the model wants most at its first step, and the rows
+    beside it keep the tokens they would choose alone; an id past the vocabulary is refused."""
+    plain = [chat(("user", QUESTIONS[0]), max_tokens=6), chat(("user", QUESTIONS[2]), max_tokens=6)]
+    engine = oss.engine(block_size=4, cuda_graphs=ahead)
+    alone = [_answer(engine.submit(r))[0] for r in plain]
+    banned = alone[0][0]
+    biased = dataclasses.replace(plain[0], sampling=dataclasses.replace(plain[0].sampling,
+                                                                        logit_bias=((banned, -100.0),)))
+    ids, _, _ = _answer(engine.submit(biased))
+    together = [_answer(s)[0] for s in [engine.submit(biased), engine.submit(plain[1])]]
+    assert banned not in ids and together == [ids, alone[1]]
+    vocab = engine.spec.vocab_size
+    outside = dataclasses.replace(plain[0], sampling=dataclasses.replace(plain[0].sampling,
+                                                                         logit_bias=((vocab, 1.0),)))
+    final = list(engine.submit(outside))[-1]
+    assert final.finish_reason == "error" and "outside this model's vocabulary" in final.error
+    assert _wait_until_idle(engine)
+    engine.shutdown()
