@@ -468,7 +468,10 @@ def _converse(args) -> int:
 
     def read_line(prompt: str) -> str:
         if terminal:
-            return input(prompt)
+            if sys.stdout.isatty():
+                return input(prompt)
+            print(prompt, end="", file=sys.stderr, flush=True)  # answers go to a file or pipe, prompts do not
+            return input()
         line = sys.stdin.readline()
         if not line:
             raise EOFError
