@@ -99,39 +99,36 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
         info = await run_in_threadpool(engine.info)
         parsed = await run_in_threadpool(parse_request, translate(body) if translate else body, info, limits)
         # Building the prompt (tokenizer, image processor) happens inside submit: keep it off the event loop.
+        streams = []
         try:
-            stream = await run_in_threadpool(engine.submit, parsed.chat)
+            for chat in parsed.choices():
+                streams.append(await run_in_threadpool(engine.submit, chat))
         except ValueError as e:  # the engine refuses what it cannot run, e.g. a prompt over the context
+            for stream in streams:
+                stream.close()
             raise _refusal(str(e))
-        return body, info, parsed, stream
+        return body, info, parsed, streams
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request):
         try:
-            _, info, parsed, stream = await submit(request)
+            _, info, parsed, streams = await submit(request)
         except ApiError as e:
             return e.response()
         cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
         if parsed.stream:
-            return await _streamed(request, stream, _failure, lambda source: _sse(
-                source, cid, created, info.name, parsed.include_usage, parsed.logprobs))
-        collected = await _unless_gone(request, stream, run_in_threadpool(_collect, stream))
-        if collected is _GONE:
+            return await _streamed(request, streams, _failure, lambda sources: _sse(
+                sources, cid, created, info.name, parsed.include_usage, parsed.logprobs))
+        answers = await _unless_gone(request, streams, run_in_threadpool(lambda: [_collect(s) for s in streams]))
+        if answers is _GONE:
             return Response(status_code=499)  # nobody reads it; the request was aborted
-        final = collected.final
-        if final.finish_reason == "error":
-            return _failure(final).response()
-        text, calls = collected.text, collected.calls
-        message = {"role": "assistant", "content": text if text or not calls else None}
-        if collected.reasoning:
-            message["reasoning_content"] = collected.reasoning
-        if calls:
-            message["tool_calls"] = [tool_call_json(c) for c in calls]
-        logprobs = logprobs_json(collected.logprobs) if parsed.logprobs else None
+        failed = next((a.final for a in answers if a.final.finish_reason == "error"), None)
+        if failed is not None:
+            return _failure(failed).response()
+        finals = [a.final for a in answers]
         return {"id": cid, "object": "chat.completion", "created": created, "model": info.name,
-                "choices": [{"index": 0, "message": message, "logprobs": logprobs,
-                             "finish_reason": _finish(final.finish_reason)}],
-                "usage": _usage(final), "timings": _timings(final)}
+                "choices": [_choice(i, a, parsed.logprobs) for i, a in enumerate(answers)],
+                "usage": _usage(*finals), "timings": _timings(finals[0])}
 
     @router.post("/responses")
     async def responses(request: Request):
@@ -143,15 +140,15 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
             return out
 
         try:
-            body, info, parsed, stream = await submit(request, translate)
+            body, info, parsed, (stream,) = await submit(request, translate)  # no 'n' on /v1/responses
         except ApiError as e:
             return responses_error(e).response()
         builder = ResponseBuilder("resp_" + uuid.uuid4().hex, int(time.time()), info.name, body)
         builder.conversation = conversation
         if parsed.stream:
-            return await _streamed(request, stream, lambda final: responses_error(_failure(final)),
-                                   lambda source: response_events(source, builder, stored))
-        items = await _unless_gone(request, stream, run_in_threadpool(_items, stream))
+            return await _streamed(request, [stream], lambda final: responses_error(_failure(final)),
+                                   lambda sources: response_events(sources[0], builder, stored))
+        items = await _unless_gone(request, [stream], run_in_threadpool(_items, stream))
         if items is _GONE:
             return Response(status_code=499)
         final = items[-1]
@@ -210,32 +207,42 @@ def _model_card(info: ModelInfo, created: int) -> dict:
 _GONE = object()
 
 
-async def _streamed(request: Request, stream: RequestStream, failure, events) -> Response:
-    """The SSE response for an engine stream: events(source) the generator of its events,
-    failure(final) the ApiError for a refusal. The first item decides the status: a refused prompt
-    (its Final comes first) gets an HTTP error, not a 200 stream that carries the error in-band."""
-    it = iter(stream)
-    first = await _unless_gone(request, stream, run_in_threadpool(next, it, None))
-    if first is _GONE:
+async def _streamed(request: Request, streams: list[RequestStream], failure, events) -> Response:
+    """The SSE response for engine streams (one per choice): events(sources) the generator of
+    their events, failure(final) the ApiError for a refusal. The first items decide the status: a
+    refused prompt (its Final comes first) gets an HTTP error, not a 200 stream that carries the
+    error in-band."""
+    its = [iter(s) for s in streams]
+    firsts = await _unless_gone(request, streams, run_in_threadpool(lambda: [next(it, None) for it in its]))
+    if firsts is _GONE:
         return Response(status_code=499)
-    if isinstance(first, Final) and first.finish_reason == "error":
-        return failure(first).response()
-    source = _EventSource(stream, it, first)
-    return StreamingResponse(events(source), media_type="text/event-stream",
+    refused = next((f for f in firsts if isinstance(f, Final) and f.finish_reason == "error"), None)
+    if refused is not None:
+        for s in streams:
+            s.close()
+        return failure(refused).response()
+    sources = [_EventSource(s, it, first) for s, it, first in zip(streams, its, firsts)]
+
+    def close_unfinished() -> None:
+        for source in sources:
+            source.close_unless_finished()
+
+    return StreamingResponse(events(sources), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                             background=BackgroundTask(source.close_unless_finished))
+                             background=BackgroundTask(close_unfinished))
 
 
-async def _unless_gone(request: Request, stream: RequestStream, work):
-    """Awaits `work` (a thread-pool call reading `stream`); if the client disconnects first, closes
-    the stream (the engine aborts the request, so `work` ends soon) and returns _GONE."""
+async def _unless_gone(request: Request, streams: list[RequestStream], work):
+    """Awaits `work` (a thread-pool call reading `streams`); if the client disconnects first, closes
+    the streams (the engine aborts the requests, so `work` ends soon) and returns _GONE."""
     task = asyncio.ensure_future(work)
     while True:
         done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
         if done:
             return task.result()
         if await request.is_disconnected():
-            stream.close()
+            for stream in streams:
+                stream.close()
             await asyncio.wait({task}, timeout=5)  # let the reader thread see the abort
             return _GONE
 
@@ -301,65 +308,93 @@ class _EventSource:
             self.stream.close()
 
 
-async def _sse(source: _EventSource, cid: str, created: int, model: str, include_usage: bool,
+def _choice(index: int, answer: _Answer, logprobs: bool) -> dict:
+    text, calls = answer.text, answer.calls
+    message = {"role": "assistant", "content": text if text or not calls else None}
+    if answer.reasoning:
+        message["reasoning_content"] = answer.reasoning
+    if calls:
+        message["tool_calls"] = [tool_call_json(c) for c in calls]
+    return {"index": index, "message": message, "logprobs": logprobs_json(answer.logprobs) if logprobs else None,
+            "finish_reason": _finish(answer.final.finish_reason)}
+
+
+async def _sse(sources: list[_EventSource], cid: str, created: int, model: str, include_usage: bool,
                logprobs: bool = False):
-    """SSE events; leaving early (client gone: Starlette cancels this generator) closes the
-    engine stream, which aborts the request. With `logprobs`, each chunk carries the entries of
-    the tokens read since the last chunk sent (null when there are none): a token whose text is
-    held back or hidden has its entry sent with the next chunk, at the latest the finishing one."""
-    pending: list[TokenLogprob] = []
+    """SSE events, one source per choice (its chunks carry its index, interleaved as they come);
+    leaving early (client gone: Starlette cancels this generator) closes the engine streams, which
+    aborts the requests. With `logprobs`, each chunk carries the entries of the tokens its choice
+    read since its last chunk (null when there are none): a token whose text is held back or
+    hidden has its entry sent with that choice's next chunk, at the latest its finishing one."""
+    pending: list[list[TokenLogprob]] = [[] for _ in sources]
+    calls = [0] * len(sources)
+    finals: list[Final | None] = [None] * len(sources)
 
-    def event(delta: dict, finish: str | None = None, usage: dict | None = None) -> str:
-        entries = logprobs_json(pending) if logprobs and pending and not usage else None
-        pending.clear()
-        chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [] if usage else [{"index": 0, "delta": delta, "logprobs": entries,
-                                               "finish_reason": finish}]}
+    def event(i: int, delta: dict, finish: str | None = None) -> str:
+        entries = logprobs_json(pending[i]) if logprobs and pending[i] else None
+        pending[i] = []
+        return chunk([{"index": i, "delta": delta, "logprobs": entries, "finish_reason": finish}])
+
+    def chunk(choices: list, usage: dict | None = None) -> str:
+        out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
         if include_usage:  # as OpenAI does: null on every chunk but the last
-            chunk["usage"] = usage
-        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            out["usage"] = usage
+        return f"data: {json.dumps(out, ensure_ascii=False)}\n\n"
 
-    final, calls = None, 0
+    reading: dict[asyncio.Future, int] = {}
     try:
-        yield event({"role": "assistant", "content": ""})
-        while final is None:
-            item = await source.next()
-            if item is None:
-                break
-            if isinstance(item, Final):
-                final = item
-                source.finished = True
-                continue
-            pending.extend(item.logprobs)
-            delta = {}
-            if item.reasoning:
-                delta["reasoning_content"] = item.reasoning
-            if item.text:
-                delta["content"] = item.text
-            if item.tool_calls:
-                # each call whole, in one delta (clients join argument fragments; one is a fragment too)
-                delta["tool_calls"] = [tool_call_json(c, calls + k) for k, c in enumerate(item.tool_calls)]
-                calls += len(item.tool_calls)
-            if delta:
-                yield event(delta)
-        if final is not None and final.finish_reason == "error":
-            yield f"data: {json.dumps(_failure(final).body())}\n\n"
-        elif final is not None:
-            yield event({}, _finish(final.finish_reason))
-            if include_usage:
-                yield event({}, usage=_usage(final))
+        for i in range(len(sources)):
+            yield event(i, {"role": "assistant", "content": ""})
+        reading = {asyncio.ensure_future(source.next()): i for i, source in enumerate(sources)}
+        failed = None
+        while reading and failed is None:
+            done, _ = await asyncio.wait(reading, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i, item = reading.pop(task), task.result()
+                if item is None:  # the stream ended without its Final
+                    continue
+                if isinstance(item, Final):
+                    finals[i] = item
+                    sources[i].finished = True
+                    if item.finish_reason == "error":
+                        failed = item
+                    else:
+                        yield event(i, {}, _finish(item.finish_reason))
+                    continue
+                reading[asyncio.ensure_future(sources[i].next())] = i
+                pending[i].extend(item.logprobs)
+                delta = {}
+                if item.reasoning:
+                    delta["reasoning_content"] = item.reasoning
+                if item.text:
+                    delta["content"] = item.text
+                if item.tool_calls:
+                    # each call whole, in one delta (clients join argument fragments; one is a fragment too)
+                    delta["tool_calls"] = [tool_call_json(c, calls[i] + k) for k, c in enumerate(item.tool_calls)]
+                    calls[i] += len(item.tool_calls)
+                if delta:
+                    yield event(i, delta)
+        if failed is not None:
+            yield f"data: {json.dumps(_failure(failed).body())}\n\n"
+        elif include_usage and all(finals):
+            yield chunk([], _usage(*finals))
         yield "data: [DONE]\n\n"
     finally:
-        source.close_unless_finished()
+        for task in reading:
+            task.cancel()
+        for source in sources:
+            source.close_unless_finished()
 
 
 def _finish(reason: str) -> str:
     return reason if reason in ("stop", "length", "tool_calls") else "stop"
 
 
-def _usage(final: Final) -> dict:
-    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens,
+def _usage(final: Final, *more: Final) -> dict:
+    """Usage of one answer, or of several choices of one request (one prompt, their answers)."""
+    completion = final.completion_tokens + sum(f.completion_tokens for f in more)
+    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": final.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from localchat.app.api_errors import ApiError
 from localchat.app.api_format import parse_response_format
@@ -16,6 +16,8 @@ from localchat.app.api_tools import parse_tool_calls, parse_tools
 from localchat.app.defaults import ANSWER_TOKENS
 from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_image
 from localchat.engine.runtime.request import ChatRequest, Message, ModelInfo, SamplingParams, TextPart
+
+MAX_CHOICES = 8  # 'n': answers to one request, all decoded together
 
 DEFAULT_MAX_TOKENS = ANSWER_TOKENS
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<b64>.*)$", re.S)
@@ -29,6 +31,14 @@ class ParsedRequest:
     chat: ChatRequest
     stream: bool
     include_usage: bool
+    n: int = 1
+
+    def choices(self) -> list[ChatRequest]:
+        """One engine request per choice; with a seed, choice i samples with seed + i, so the
+        choices differ and the same request gives the same choices again."""
+        seed = self.chat.sampling.seed
+        return [self.chat if i == 0 or seed is None else
+                replace(self.chat, sampling=replace(self.chat.sampling, seed=seed + i)) for i in range(self.n)]
 
     @property
     def logprobs(self) -> bool:
@@ -42,9 +52,11 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
     model = body.get("model")
     if model is not None and model != info.name:
         raise unknown_model(model, info)
-    if body.get("n") not in (None, 1):
-        raise ApiError(400, f"localchat answers one choice per request: 'n' must be 1 (got {body['n']!r}); "
-                            "send several requests for several answers.", param="n")
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"'n' must be an integer from 1 to {MAX_CHOICES} (got {n!r}).", param="n")
     logprobs = parse_logprobs(body)
     tools, forced_call = parse_tools(body, info.family)
     response_format, response_schema = parse_response_format(body, tools)
@@ -94,7 +106,7 @@ def parse_request(body: object, info: ModelInfo, limits: ImageLimits) -> ParsedR
                        reasoning_effort=effort if effort in ("low", "medium", "high") else "low", tools=tools,
                        forced_call=forced_call, response_format=response_format,
                        response_schema=response_schema)
-    return ParsedRequest(chat, stream, include_usage)
+    return ParsedRequest(chat, stream, include_usage, n)
 
 
 def _parse_message(m: object, i: int, info: ModelInfo, limits: ImageLimits) -> Message:

@@ -98,8 +98,8 @@ def test_errors_use_openai_format(api):
     assert e.value.status_code == 400 and e.value.code == "image_url_not_supported"
     assert "only data: URLs are accepted" in e.value.message and e.value.param == "messages[0].content[0]"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="fake-glm", n=2, messages=[{"role": "user", "content": "x"}])
-    assert e.value.param == "n" and "'n' must be 1" in e.value.message
+        client.chat.completions.create(model="fake-glm", n=9, messages=[{"role": "user", "content": "x"}])
+    assert e.value.param == "n" and "'n' must be an integer from 1 to 8" in e.value.message
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
     assert e.value.code == "model_not_found"
@@ -427,3 +427,33 @@ def test_prompt_tokens_found_in_the_prefix_cache_are_reported(demo_runtime, hist
         stats = answer_stats(final, 4096, None)
         _, details = status_line(SimpleNamespace(stats=stats, status="done"))
         assert f"({cached:,} of them from the prefix cache)" in details
+
+
+def test_several_choices_decode_together(api, demo_runtime, history):
+    engine, client, srv = api
+    question = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="fake-glm", messages=question, n=3, seed=7, max_tokens=50)
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(engine.requests) == 3
+    assert [q.sampling.seed for q in engine.requests] == [7, 8, 9]  # each choice its own draw, reproducibly
+    assert all(c.message.content.startswith("Seen 0 image(s). You said: hi") for c in r.choices)
+    assert r.usage.completion_tokens == 3 * 10 and r.usage.prompt_tokens == 1
+    chunks = list(client.chat.completions.create(model="fake-glm", messages=question, n=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    by_choice = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            by_choice[choice.index] += choice.delta.content or ""
+    finished = [ch.index for c in chunks for ch in c.choices if ch.finish_reason]
+    assert sorted(finished) == [0, 1] and by_choice[0] == by_choice[1] == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].choices == []
+    # the real engine: sampled choices differ and a seed gives them again; greedy ones agree
+    with LiveServer(create_app(DemoEngine(demo_runtime, max_tokens=50), history)) as real:
+        demo = openai.OpenAI(base_url=real.url + "v1", api_key="unused", max_retries=0)
+
+        def answers(**sampling):
+            out = demo.chat.completions.create(model="demo", messages=question, n=3, max_tokens=8, **sampling)
+            return [(c.message.content, c.message.model_extra.get("reasoning_content")) for c in out.choices]
+
+        sampled = answers(temperature=1.0, seed=11)
+        assert len(set(sampled)) > 1 and answers(temperature=1.0, seed=11) == sampled
+        assert len(set(answers(temperature=0))) == 1
