@@ -158,24 +158,25 @@ def test_no_key_needed_on_loopback_without_key(history):
         assert httpx.get(srv.url + "v1/models").json()["data"][0]["id"] == "fake-glm"
 
 
-def test_client_disconnect_aborts_engine_stream(api):
+@pytest.mark.parametrize("n", [1, 2])
+def test_client_disconnect_aborts_engine_stream(api, n):
     engine, _, srv = api
     engine.delay, engine.filler_words = 0.02, 1000
-    body = {"model": "fake-glm", "stream": True, "messages": [{"role": "user", "content": "go"}]}
+    body = {"model": "fake-glm", "stream": True, "n": n, "messages": [{"role": "user", "content": "go"}]}
     with httpx.stream("POST", srv.url + "v1/chat/completions", json=body,
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(8)]
     assert any(line.startswith("data: {") for line in got)
+    streams = engine.streams[-n:]
     t = time.time()
-    while not engine.closed and time.time() - t < 5:
+    while not all(s in engine.closed for s in streams) and time.time() - t < 5:
         time.sleep(0.02)
-    stream = engine.streams[-1]
-    assert stream in engine.closed, "closing the HTTP stream must close the engine stream"
+    assert all(s in engine.closed for s in streams), "closing the HTTP stream must close every engine stream"
     t = time.time()
-    while stream.finish_reason is None and time.time() - t < 5:
+    while any(s.finish_reason is None for s in streams) and time.time() - t < 5:
         time.sleep(0.02)
-    assert stream.finish_reason == "abort"
+    assert [s.finish_reason for s in streams] == ["abort"] * n
 
 
 def test_history_system_stop_string_and_lenient_fields(api):
