@@ -26,7 +26,7 @@ import hmac
 import json
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -89,15 +89,19 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
         return _model_card(info, started)
 
     async def submit(request: Request, translate=None):
-        """(body, model info, parsed request, engine stream) for a POST whose body `translate`
-        turns into a Chat Completions body (None: it is one). Raises ApiError."""
+        """(body, model info, parsed request, engine streams: one per choice) for a POST whose body
+        `translate` turns into a Chat Completions body and the ChatRequest overflow it asks for
+        (None: the body is one, and overflow the default). Raises ApiError."""
         check_key(request)
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "The request body is not valid JSON.")
         info = await run_in_threadpool(engine.info)
-        parsed = await run_in_threadpool(parse_request, translate(body) if translate else body, info, limits)
+        chat_fields, overflow = translate(body) if translate else (body, None)
+        parsed = await run_in_threadpool(parse_request, chat_fields, info, limits)
+        if overflow is not None:
+            parsed = replace(parsed, chat=replace(parsed.chat, overflow=overflow))
         # Building the prompt (tokenizer, image processor) happens inside submit: keep it off the event loop.
         streams = []
         try:
@@ -137,7 +141,8 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
         def translate(body):
             out = chat_body(body, stored)
             conversation.extend(out.pop("conversation"))
-            return out
+            # truncation "auto": a conversation over the context goes on without its oldest items
+            return out, "drop_oldest" if body.get("truncation") == "auto" else None
 
         try:
             body, info, parsed, (stream,) = await submit(request, translate)  # no 'n' on /v1/responses

@@ -70,6 +70,8 @@ def chat_body(body: object, store: ResponseStore | None = None) -> dict:
     `previous_response_id`, the stored conversation comes first."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
+    if body.get("truncation") not in (None, "auto", "disabled"):
+        raise ApiError(400, "'truncation' must be \"auto\" or \"disabled\".", param="truncation")
     if body.get("conversation"):
         raise ApiError(400, "localchat keeps no conversation objects: go on from a response with "
                             "'previous_response_id', or send the conversation so far in 'input'.", param="conversation")
@@ -255,7 +257,7 @@ class ResponseBuilder:
                "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"), "summary": None},
                "temperature": body.get("temperature"), "top_p": body.get("top_p"),
                "text": {"format": fmt or {"type": "text"}}, "tool_choice": body.get("tool_choice", "auto"),
-               "tools": body.get("tools") or [], "usage": None}
+               "tools": body.get("tools") or [], "truncation": body.get("truncation") or "disabled", "usage": None}
         if final is not None:
             out["usage"] = {"input_tokens": final.prompt_tokens,
                             "input_tokens_details": {"cached_tokens": final.cached_tokens},

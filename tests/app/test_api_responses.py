@@ -208,3 +208,13 @@ def test_only_the_last_responses_are_kept():
     with pytest.raises(ApiError):
         store.get("c")
     assert store.get("b") == [{"role": "user", "content": "b"}] and store.get("d") == []
+
+
+def test_truncation_auto_lets_a_long_conversation_go_on_without_its_oldest_items(served):
+    engine, client, url = served()
+    r = client.responses.create(model="fake-glm", input="hi")
+    assert engine.requests[-1].overflow == "error" and r.truncation == "disabled"
+    r = client.responses.create(model="fake-glm", input="hi", truncation="auto")
+    assert engine.requests[-1].overflow == "drop_oldest" and r.truncation == "auto"
+    err = httpx.post(url + "/responses", json={"model": "fake-glm", "input": "hi", "truncation": "middle"}).json()
+    assert err["error"]["param"] == "truncation"
