@@ -32,8 +32,8 @@ CLOSE = "</arg_value>"
 # END (nothing: the call is complete) or (AFTER, index) (the arguments after property index).
 # RAW: (RAW, index, node, count, matched, edge): property index's text value, `count` characters
 # so far, its last `matched` characters a start of CLOSE, `edge` whether it ends in a line break
-# (which, as a first one, the output parser would strip: a value neither starts nor ends so). JSON: (JSON, index, the state of the
-# value's SchemaGrammar). DONE: (DONE,).
+# (the output parser strips line breaks around a value, so a value neither starts nor ends with
+# one). JSON: (JSON, index, the state of the value's SchemaGrammar). DONE: (DONE,).
 TAGS, RAW, JSON, DONE = range(4)
 END, AFTER = -1, "after"
 
