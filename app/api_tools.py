@@ -8,8 +8,9 @@ writes the start of a call in the model's own syntax after the generation prompt
 when one is named), so the model can only go on inside it (ChatRequest.forced_call), and the
 model does not think before a forced call. The arguments of a named forced call are then held
 token by token to the function's `parameters` schema (in full for a function marked `"strict":
-true`, which is refused when its schema cannot be held to); other calls' arguments are the
-model's own, not checked against the schema, strict or not.
+true`, which is refused when its schema cannot be held to), and so are those of a call the model
+makes on its own to a strict function (engine/runtime/constrained.strict_calls); other calls'
+arguments are the model's own, not checked against the schema.
 """
 from __future__ import annotations
 

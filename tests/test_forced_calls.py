@@ -5,6 +5,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from fixtures import open_fixture
 from localchat.engine.runtime import constrained
@@ -138,11 +139,9 @@ BOOKING = {"type": "function", "function": {
 ENDINGS = {"gpt-oss-mxfp4": ('"', "}", ",", ":"), "glm-bf16": ("</arg_value>", "</tool_call>", '"', "<")}
 
 
-@pytest.mark.parametrize("name", ["gpt-oss-mxfp4", "glm-bf16"])
-@pytest.mark.parametrize("seed", [None, 1, 2])
-def test_arguments_to_a_named_call_follow_its_schema(engines, name, seed, monkeypatch):
-    engine = engines(name)
-    # a random model writes strings forever: lean it towards ending them, as test_json_mode does
+def lean_towards_endings(engine, name, monkeypatch):
+    """A random model writes strings forever: lean it, more every token, towards ending them, as
+    test_json_mode does."""
     ends = [engine.formatter.tokenizer.convert_tokens_to_ids(t) for t in ENDINGS[name]]
     run = engine.runner.run
 
@@ -154,6 +153,13 @@ def test_arguments_to_a_named_call_follow_its_schema(engines, name, seed, monkey
         return seqs, logits
 
     monkeypatch.setattr(engine.runner, "run", leaning)
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-mxfp4", "glm-bf16"])
+@pytest.mark.parametrize("seed", [None, 1, 2])
+def test_arguments_to_a_named_call_follow_its_schema(engines, name, seed, monkeypatch):
+    engine = engines(name)
+    lean_towards_endings(engine, name, monkeypatch)
     sampling = SamplingParams(max_tokens=300, temperature=0.0 if seed is None else 1.0, seed=seed)
     items = list(engine.submit(ChatRequest(QUESTION, sampling, tools=(WEATHER, BOOKING),
                                            forced_call=ForcedCall("book_table"))))
@@ -186,3 +192,57 @@ def test_a_strict_function_the_engine_cannot_hold_to_is_refused(engines):
     assert tagged.advance(tagged.start, "<arg_key>city") is None
     assert constrained.forced_arguments_grammar(
         ChatRequest(QUESTION, tools=(loose,), forced_call=ForcedCall()), "gpt_oss") is None
+
+
+# what the model writes of a call it decides on itself, up to where its arguments begin
+CALL_STARTS = {"gpt-oss-mxfp4": "<|channel|>commentary to=functions.book_table <|constrain|>json<|message|>",
+               "glm-bf16": "I will book it now.\n<tool_call>book_table\n"}
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["eager", "ahead"])
+@pytest.mark.parametrize("name", ["gpt-oss-mxfp4", "glm-bf16"])
+def test_a_call_the_model_makes_to_a_strict_function_follows_its_schema(name, ahead, monkeypatch):
+    """The call's start (scripted) is the model's own choice; from the moment it begins, tokens are
+    chosen on the host, so no step launched ahead writes an argument, and the arguments are held."""
+    engine = Engine(open_fixture(name), device="cpu", dtype="float32", block_size=4, cuda_graphs=ahead)
+    tokenizer = engine.formatter.tokenizer
+    start = tokenizer(CALL_STARTS[name], add_special_tokens=False)["input_ids"]
+    script = iter(start)
+    free = {"n": 0}
+
+    def scripted(logits, samplers, contexts):
+        free["n"] += 1
+        return [next(script)]
+
+    def scripted_on_device(logits, samplers, contexts):
+        return torch.tensor(scripted(logits, samplers, contexts), device=logits.device)
+
+    monkeypatch.setattr(engine_module, "sample_tokens", scripted)
+    monkeypatch.setattr(engine_module, "choose_tokens", scripted_on_device)
+    lean_towards_endings(engine, name, monkeypatch)
+    try:
+        items = list(engine.submit(ChatRequest(QUESTION, SamplingParams(max_tokens=300, temperature=0.0),
+                                               tools=(WEATHER, BOOKING))))
+        final = items[-1]
+        calls = [c for d in items if isinstance(d, Delta) for c in d.tool_calls]
+        assert final.finish_reason == "tool_calls" and [c.name for c in calls] == ["book_table"], (final, calls)
+        args = json.loads(calls[0].arguments)
+        assert list(args) == ["restaurant", "people", "time", "terrace"]
+        assert len(args["restaurant"]) <= 12 and args["time"] in ("18:00", "19:30", "21:00")
+        assert free["n"] == len(start)  # every token after the call's start came from the grammar
+        if ahead:
+            assert engine.counters()["ahead_steps"] > 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_strict_function_offered_with_keywords_it_cannot_enforce_is_held_to_the_rest(engines):
+    zipcode = {"type": "function", "function": {"name": "find", "strict": True, "parameters": {
+        "type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["zip"]}}}
+    request = ChatRequest(QUESTION, SamplingParams(max_tokens=5), tools=(zipcode,))
+    for name in ("gpt-oss-mxfp4", "glm-bf16"):
+        assert list(engines(name).submit(request))[-1].finish_reason != "error"
+    calls = constrained.strict_calls(request, None, "gpt_oss")
+    grammar = constrained.arguments_grammar((zipcode,), "find", "gpt_oss", lenient=True)
+    assert grammar.advance(grammar.start, '{"zip": "abc"}') and grammar.advance(grammar.start, '{"zap"') is None
+    assert calls is not None and calls("other") is None

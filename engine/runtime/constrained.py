@@ -158,6 +158,15 @@ class JsonAnswer:
         run = _blank_run(self.blank_run, text, self.grammar.between_tokens(state))
         return (state, run) if run <= MAX_BLANK_RUN else None
 
+    def take(self, text: str) -> bool:
+        """Reads text written before the grammar took over (a GLM call's line after its name);
+        False, leaving the state as it was, when the grammar cannot continue with it."""
+        state = self.grammar.advance(self.state, text) if text else self.state
+        if state is None:
+            return False
+        self.state = state
+        return True
+
     def append(self, token: int) -> None:
         after = self.after(token)
         if after is None:
@@ -238,17 +247,48 @@ def forced_arguments_grammar(request: ChatRequest, family: str):
     tagged key / value pairs (glm_arguments.py). A call whose function the model picks is not held.
     Raises ValueError for a strict function whose schema cannot be held to."""
     forced = request.forced_call
-    if family not in ("gpt_oss", "glm4v_moe") or forced is None or forced.function is None:
+    if forced is None or forced.function is None:
         return None
-    function = next((t["function"] for t in request.tools if t["function"]["name"] == forced.function), None)
+    return arguments_grammar(request.tools, forced.function, family)
+
+
+def arguments_grammar(tools: tuple[dict, ...], name: str, family: str, lenient: bool = False):
+    """The grammar for the arguments of a call to `name` among `tools` in `family`'s format, or
+    None (not one of the tools, or a family whose calls no grammar holds). A strict function whose
+    schema cannot be held to in full raises ValueError, or with `lenient` is held to what can be."""
+    if family not in ("gpt_oss", "glm4v_moe"):
+        return None
+    function = next((t["function"] for t in tools if t["function"]["name"] == name), None)
     if function is None:
         return None  # not a call the engine makes: forced_call_prefix says why
     parameters = function.get("parameters") or {"type": "object"}
     strict = function.get("strict") is True
     try:
-        schema = compile_schema(parameters, forced.function, strict=strict)
+        try:
+            schema = compile_schema(parameters, name, strict=strict)
+        except SchemaError as e:
+            if not (strict and lenient and e.relaxable):
+                raise
+            schema = compile_schema(parameters, name, strict=False)
     except SchemaError as e:
-        if strict:
-            raise ValueError(f"the parameters of the strict function {forced.function!r} cannot be held to: {e}") from None
+        if strict and not lenient:
+            raise ValueError(f"the parameters of the strict function {name!r} cannot be held to: {e}") from None
         return JSON_OBJECT if family == "gpt_oss" else None
     return SchemaGrammar(schema) if family == "gpt_oss" else glm_arguments_grammar(schema.root, parameters)
+
+
+def strict_calls(request: ChatRequest, vocabulary: JsonVocabulary, family: str):
+    """For a request whose model may call functions marked `"strict": true` (tools offered, no
+    call forced, free text), the JsonAnswer that holds the arguments of a call the model begins
+    to one of them, by name (None for another function); None when no call can be strict. A call
+    the model decides on is held to what of its schema can be (keywords the engine does not
+    enforce are left to the model), where a forced one is refused."""
+    if request.forced_call is not None or request.response_format != "text" or family not in ("gpt_oss",
+                                                                                               "glm4v_moe"):
+        return None
+    grammars = {t["function"]["name"]: arguments_grammar(request.tools, t["function"]["name"], family, lenient=True)
+                for t in request.tools if t["function"].get("strict") is True}
+    grammars = {name: g for name, g in grammars.items() if g is not None}
+    if not grammars:
+        return None
+    return lambda name: JsonAnswer(vocabulary, grammars[name]) if name in grammars else None

@@ -19,7 +19,7 @@ import torch
 
 from ..spec import ModelSpec
 from .block_pool import BlockPool
-from .constrained import JsonVocabulary, choose_rows, json_answer_for
+from .constrained import JsonVocabulary, choose_rows, json_answer_for, strict_calls
 from .context_fit import fit_to_context
 from .failures import unrecoverable
 from .decode_graphs import DecodeGraphs
@@ -254,6 +254,7 @@ class Engine:
         with self._format_lock:
             # None unless JSON mode or a forced call's arguments
             json_answer = json_answer_for(request, self.json_vocabulary, self.spec.family)
+            calls = strict_calls(request, self.json_vocabulary, self.spec.family) if request.tools else None
             prompt, dropped = fit_to_context(request, self.formatter.build, limit)
         n = len(prompt.input_ids)
         if n >= limit:
@@ -279,7 +280,7 @@ class Engine:
         sampler = Sampler(sp, self.device, prompt_len=len(prompt.input_ids))
         return Sequence(next(self._ids), stream, prompt, sampler, text, limit=limit, eos_ids=self.spec.eos_token_ids,
                         block_size=self.block_size, spans=spans, mrope=mrope, dropped_messages=dropped,
-                        token_names=self.token_names, json_answer=json_answer)
+                        token_names=self.token_names, json_answer=json_answer, strict_calls=calls)
 
     # ---- engine thread ----------------------------------------------------------------------
 
@@ -457,6 +458,8 @@ class Engine:
         reserved), or [] when the scheduler should run first."""
         sched, graphs = self.scheduler, self.runner.graphs
         if step.ids is None or graphs is None or not self._inbox.empty():
+            return []
+        if any(seq.chooses_on_host for seq in step.seqs):  # e.g. a call began in the step before
             return []
         if sched.waiting and len(sched.running) < sched.max_running:
             return []

@@ -108,6 +108,14 @@ class GlmReasoningParser:
             answer, self.call = answer + "<tool_call>" + "".join(self.call), None
         return answer, reasoning
 
+    def call_state(self) -> tuple[bool, str | None, str]:
+        """(a call is being written, the function it names once its arguments begin (None before),
+        the text after the name so far): a `<tool_call>` opened, its name ended by a line break."""
+        if self.call is None:
+            return False, None, ""
+        name, newline, rest = "".join(self.call).partition("\n")
+        return True, (name.strip() or None) if newline else None, rest
+
 
 class HarmonyParser:
     """gpt-oss harmony channels. Text in the `final` channel is the answer; `analysis` and
@@ -169,6 +177,13 @@ class HarmonyParser:
             reasoning, self.function, self.arguments = reasoning + "".join(self.arguments), None, []
         self._end_call()
         return answer, reasoning
+
+    def call_state(self) -> tuple[bool, str | None, str]:
+        """(a call is being written: a header addressed to a function, or its message; the function
+        once its message (the arguments) began, else None; the arguments so far)."""
+        if self.function is not None:
+            return True, self.function, "".join(self.arguments)
+        return self.tools and self.in_header and "to=functions." in self.header, None, ""
 
 
 def _is_json(text: str) -> bool:

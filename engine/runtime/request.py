@@ -100,7 +100,8 @@ class ForcedCall:
     the model picks when None (OpenAI's tool_choice {"type": "function", "function": {"name"}}
     and "required"). The engine writes the start of the call after the generation prompt; the
     arguments of a call to a named function follow its parameters' schema
-    (constrained.forced_arguments_grammar); those of a call the model names are its own."""
+    (constrained.forced_arguments_grammar); those of a call the model names follow it when the
+    function is marked strict (constrained.strict_calls), else they are its own."""
 
     function: str | None = None
 

@@ -11,6 +11,8 @@ With a split KV cache (kv_cache.py) `sliding_blocks` is the sliding group's tabl
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import queue
 import threading
 import time
@@ -85,12 +87,16 @@ class Sequence:
     def __init__(self, seq_id: int, stream: EngineStream, prompt: Prompt, sampler: Sampler | None,
                  text: TextAssembler, *, limit: int, eos_ids: tuple[int, ...], block_size: int,
                  spans: list[ImageSpan], mrope: tuple[torch.Tensor, int] | None, dropped_messages: int = 0,
-                 token_names: TokenNames | None = None, json_answer: JsonAnswer | None = None):
+                 token_names: TokenNames | None = None, json_answer: JsonAnswer | None = None,
+                 strict_calls: Callable[[str], JsonAnswer | None] | None = None):
         """limit: the most tokens (prompt + generated) this sequence may reach.
         mrope: GLM's ([3, prompt_len] positions, delta), None for 1-D positions = slot.
         dropped_messages: the request's messages left out of the prompt to fit the context.
         token_names: names the tokens of logprob entries (needed when the request asks for them).
-        json_answer: the answer's JSON state in JSON mode (its tokens are chosen by it), else None."""
+        json_answer: the answer's JSON state in JSON mode (its tokens are chosen by it), else None.
+        strict_calls: for a model that may call strict functions, the JsonAnswer for the arguments
+        of a call to one, by name (constrained.strict_calls); from the moment a call begins its
+        tokens are chosen on the host, and once its function is named its arguments by that."""
         self.seq_id = seq_id
         self.dropped_messages = dropped_messages
         self.token_names = token_names
@@ -101,6 +107,8 @@ class Sequence:
         self.sampler = sampler
         self.text = text
         self.json_answer = json_answer
+        self.strict_calls = strict_calls
+        self.calling = False  # a call has begun: tokens chosen on the host from now on
         self.max_tokens = min(stream.request.sampling.max_tokens, limit - self.prompt_len)
         self.eos_ids = eos_ids
         self.spans = spans
@@ -178,8 +186,8 @@ class Sequence:
     @property
     def chooses_on_host(self) -> bool:
         """Whether choosing its next token needs the host after each step: a penalty reads the ids
-        so far, JSON mode the answer's state."""
-        return self._penalty_ctx or self.json_answer is not None
+        so far, JSON mode and a strict call the grammar's state."""
+        return self._penalty_ctx or self.json_answer is not None or self.calling
 
     def penalty_context(self, device) -> torch.Tensor | None:
         """The ids the penalties look at (prompt, then generated), or None when the request has none."""
@@ -205,12 +213,29 @@ class Sequence:
         if self.json_answer is not None:
             self.json_answer.append(token)
         answer, reasoning = self.text.push(token)
+        if self.strict_calls is not None and self.json_answer is None:
+            self._follow_call()
         self.stream.items.put(Delta(answer, reasoning, (token,), self.text.take_tool_calls(), entry))
         if self.text.stopped or (self.json_answer is not None and self.json_answer.complete):
             return "stop"
         if len(self.generated) >= self.max_tokens:
             return "length"
         return None
+
+    def _follow_call(self) -> None:
+        """After a token of free text: once a call begins, the next tokens are chosen on the host
+        (the step already launched ahead, if any, is still part of the call's header); once a
+        strict function is named, its arguments are held to its schema from their first token."""
+        begun, name, written = self.text.parser.call_state()
+        self.calling = begun
+        if name is None:
+            return
+        answer = self.strict_calls(name)
+        # One call a turn is held (it ends the turn when complete); a call to a function that is
+        # not strict goes on as free text.
+        self.strict_calls, self.calling = None, False
+        if answer is not None and answer.take(written):
+            self.json_answer = answer
 
     def finish(self, reason: str, error: str | None = None) -> None:
         """Flushes held-back text and ends the stream. Blocks must already be returned."""
