@@ -36,15 +36,18 @@ _STATUS = {"stop": "completed", "tool_calls": "completed", "length": "incomplete
            "error": "failed"}
 
 
-STORED = 64  # responses kept for previous_response_id (their images included, so not many)
+STORED = 64  # responses kept for previous_response_id
+STORED_BYTES = 256 << 20  # and at most this much text and image data over all of them
 
 
 class ResponseStore:
     """The conversations of the last STORED responses, by id, as Chat Completions messages
-    (without the instructions, which a following response does not inherit)."""
+    (without the instructions, which a following response does not inherit), fewer when their
+    text and images (base64 data URLs) would pass `max_bytes`. A conversation that goes on from a
+    stored one shares its messages, which count once."""
 
-    def __init__(self, size: int = STORED):
-        self.size = size
+    def __init__(self, size: int = STORED, max_bytes: int = STORED_BYTES):
+        self.size, self.max_bytes = size, max_bytes
         self._conversations: OrderedDict[str, list[dict]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -52,8 +55,9 @@ class ResponseStore:
         with self._lock:
             if rid not in self._conversations:
                 raise ApiError(404, f"No response {rid!r} is kept here: localchat keeps the last {self.size} "
-                                    "responses in memory until it restarts, and not those asked with store: false. "
-                                    "Send the conversation so far in 'input' instead.",
+                                    "responses in memory (fewer when their images are large) until it restarts, "
+                                    "and not those asked with store: false. Send the conversation so far in "
+                                    "'input' instead.",
                                param="previous_response_id", code="response_not_found")
             self._conversations.move_to_end(rid)
             return list(self._conversations[rid])
@@ -61,8 +65,23 @@ class ResponseStore:
     def put(self, rid: str, conversation: list[dict]) -> None:
         with self._lock:
             self._conversations[rid] = conversation
-            while len(self._conversations) > self.size:
+            while len(self._conversations) > self.size or (
+                    len(self._conversations) > 1 and self._bytes() > self.max_bytes):
                 self._conversations.popitem(last=False)
+
+    def _bytes(self) -> int:
+        """The characters of every distinct message text and image URL kept."""
+        seen, total = set(), 0
+        for conversation in self._conversations.values():
+            for message in conversation:
+                if id(message) in seen:
+                    continue
+                seen.add(id(message))
+                content = message.get("content")
+                parts = content if isinstance(content, list) else [{"text": content or ""}]
+                total += sum(len(p.get("text") or "") + len((p.get("image_url") or {}).get("url") or "")
+                             for p in parts if isinstance(p, dict))
+        return total
 
 
 def chat_body(body: object, store: ResponseStore | None = None) -> dict:

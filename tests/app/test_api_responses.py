@@ -218,3 +218,17 @@ def test_truncation_auto_lets_a_long_conversation_go_on_without_its_oldest_items
     assert engine.requests[-1].overflow == "drop_oldest" and r.truncation == "auto"
     err = httpx.post(url + "/responses", json={"model": "fake-glm", "input": "hi", "truncation": "middle"}).json()
     assert err["error"]["param"] == "truncation"
+
+
+def test_stored_images_are_bounded_by_their_bytes():
+    from localchat.app.api_responses import ResponseStore
+
+    store = ResponseStore(size=10, max_bytes=1000)
+    photo = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 600}}]}
+    store.put("a", [photo])
+    store.put("b", store.get("a") + [{"role": "assistant", "content": "A cat."}])  # shares the photo: counted once
+    assert store.get("a") and store.get("b")
+    store.put("c", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "B" * 600}}]}])
+    with pytest.raises(Exception):
+        store.get("a")
+    assert store.get("c")  # the newest stays, whatever its size
