@@ -40,7 +40,7 @@ from localchat.app.api_responses import (ResponseBuilder, ResponseStore, chat_bo
                                         responses_error)
 from localchat.app.api_tools import tool_call_json
 from localchat.app.ui_images import ImageLimits
-from localchat.engine.runtime.request import ChatEngine, Delta, Final, ModelInfo, RequestStream, TokenLogprob
+from localchat.engine.runtime.request import ChatEngine, Final, ModelInfo, RequestStream, TokenLogprob
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
@@ -88,18 +88,19 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
             return e.response()
         return _model_card(info, started)
 
-    async def submit(request: Request, translate=None):
-        """(body, model info, parsed request, engine streams: one per choice) for a POST whose body
-        `translate` turns into a Chat Completions body and the ChatRequest overflow it asks for
-        (None: the body is one, and overflow the default). Raises ApiError."""
+    async def read(request: Request) -> tuple[object, ModelInfo]:
+        """(the request's JSON body, the model's info); raises ApiError."""
         check_key(request)
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "The request body is not valid JSON.")
-        info = await run_in_threadpool(engine.info)
-        chat_fields, overflow = translate(body) if translate else (body, None)
-        parsed = await run_in_threadpool(parse_request, chat_fields, info, limits)
+        return body, await run_in_threadpool(engine.info)
+
+    async def start(fields: object, info: ModelInfo, overflow: str | None = None):
+        """(the parsed request, its engine streams: one per choice) for a Chat Completions body;
+        `overflow` overrides the ChatRequest's. Raises ApiError."""
+        parsed = await run_in_threadpool(parse_request, fields, info, limits)
         if overflow is not None:
             parsed = replace(parsed, chat=replace(parsed.chat, overflow=overflow))
         # Building the prompt (tokenizer, image processor) happens inside submit: keep it off the event loop.
@@ -111,12 +112,13 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
             for stream in streams:
                 stream.close()
             raise _refusal(str(e))
-        return body, info, parsed, streams
+        return parsed, streams
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request):
         try:
-            _, info, parsed, streams = await submit(request)
+            body, info = await read(request)
+            parsed, streams = await start(body, info)
         except ApiError as e:
             return e.response()
         cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
@@ -136,20 +138,15 @@ def create_api(engine: ChatEngine, *, api_key: str | None = None,
 
     @router.post("/responses")
     async def responses(request: Request):
-        conversation = []
-
-        def translate(body):
-            out = chat_body(body, stored)
-            conversation.extend(out.pop("conversation"))
-            # truncation "auto": a conversation over the context goes on without its oldest items
-            return out, "drop_oldest" if body.get("truncation") == "auto" else None
-
         try:
-            body, info, parsed, (stream,) = await submit(request, translate)  # no 'n' on /v1/responses
+            body, info = await read(request)
+            fields, conversation = chat_body(body, stored)
+            # truncation "auto": a conversation over the context goes on without its oldest items
+            overflow = "drop_oldest" if body.get("truncation") == "auto" else None
+            parsed, (stream,) = await start(fields, info, overflow)  # no 'n' on /v1/responses
         except ApiError as e:
             return responses_error(e).response()
-        builder = ResponseBuilder("resp_" + uuid.uuid4().hex, int(time.time()), info.name, body)
-        builder.conversation = conversation
+        builder = ResponseBuilder("resp_" + uuid.uuid4().hex, int(time.time()), info.name, body, conversation)
         if parsed.stream:
             return await _streamed(request, [stream], lambda final: responses_error(_failure(final)),
                                    lambda sources: response_events(sources[0], builder, stored))
@@ -275,20 +272,9 @@ def _items(stream: RequestStream) -> list:
 
 
 def _collect(stream: RequestStream) -> _Answer:
-    text, reasoning, calls, logprobs, final = [], [], [], [], None
-    try:
-        for item in stream:
-            if isinstance(item, Delta):
-                text.append(item.text)
-                reasoning.append(item.reasoning)
-                calls += item.tool_calls
-                logprobs += item.logprobs
-            else:
-                final = item
-    finally:
-        if final is None:
-            stream.close()
-    return _Answer("".join(text), "".join(reasoning), calls, logprobs, final)
+    *deltas, final = _items(stream)
+    return _Answer("".join(d.text for d in deltas), "".join(d.reasoning for d in deltas),
+                   [c for d in deltas for c in d.tool_calls], [e for d in deltas for e in d.logprobs], final)
 
 
 class _EventSource:

@@ -84,8 +84,9 @@ class ResponseStore:
         return total
 
 
-def chat_body(body: object, store: ResponseStore | None = None) -> dict:
-    """The Chat Completions body for a Responses request (raises ApiError naming the field); with
+def chat_body(body: object, store: ResponseStore | None = None) -> tuple[dict, list[dict]]:
+    """(the Chat Completions body for a Responses request, its conversation: the messages after the
+    instructions, which a stored response keeps); raises ApiError naming the field. With
     `previous_response_id`, the stored conversation comes first."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
@@ -111,7 +112,6 @@ def chat_body(body: object, store: ResponseStore | None = None) -> dict:
         raise ApiError(400, "'previous_response_id' must be a response id.", param="previous_response_id")
     conversation = (store.get(before) if before and store is not None else []) + _messages(body.get("input"))
     out["messages"] = messages + conversation
-    out["conversation"] = conversation  # what a stored response keeps; taken out before the parse
     if body.get("max_output_tokens") is not None:
         out["max_tokens"] = body["max_output_tokens"]
     if body.get("tools"):
@@ -124,7 +124,7 @@ def chat_body(body: object, store: ResponseStore | None = None) -> dict:
     reasoning = body.get("reasoning")
     if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
         out["reasoning_effort"] = reasoning["effort"]
-    return out
+    return out, conversation
 
 
 def responses_error(e: ApiError) -> ApiError:
@@ -255,9 +255,10 @@ class ResponseBuilder:
     build them: `feed` per Delta, `finish` with the Final. An item is open while its text grows
     (reasoning, or the answer's message) and closes when another kind of output begins."""
 
-    def __init__(self, rid: str, created: int, model: str, body: dict):
+    def __init__(self, rid: str, created: int, model: str, body: dict, conversation: list[dict]):
+        """conversation: the request's, as chat_body made it (what a stored response keeps)."""
         self.rid, self.created, self.model, self.body = rid, created, model, body
-        self.conversation: list[dict] = []  # the request's conversation, as chat_body made it
+        self.conversation = conversation
         self.items: list[dict] = []
         self.open: int | None = None  # index of the reasoning or message item being written
         self.reasoning_tokens = 0

@@ -281,11 +281,16 @@ def _run_model(args) -> None:
     args.model = flag
 
 
-def _question(args) -> str:
-    """The question from PROMPT, --prompt or standard input (when it is not a terminal)."""
+def _given_question(args) -> str | None:
+    """The question from PROMPT or --prompt, None when neither gives one."""
     if args.question is not None and args.prompt is not None:
         raise UserError("the question was given twice (as PROMPT and with --prompt); give it once")
-    text = args.prompt if args.prompt is not None else args.question
+    return args.prompt if args.prompt is not None else args.question
+
+
+def _question(args) -> str:
+    """The question from PROMPT, --prompt or standard input (when it is not a terminal)."""
+    text = _given_question(args)
     if text is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise UserError("no question: put it after the model name (localchat run MODEL \"...\"), give it with "
@@ -446,8 +451,7 @@ def _converse(args) -> int:
     if args.json or args.json_answer or args.json_schema:
         raise UserError("--json, --json-answer and --json-schema answer one question; leave them out of a "
                         "conversation (--interactive)")
-    if args.question is not None and args.prompt is not None:
-        raise UserError("the question was given twice (as PROMPT and with --prompt); give it once")
+    first = _given_question(args)
 
     def load_image(path: str) -> ImagePart:
         try:
@@ -478,7 +482,7 @@ def _converse(args) -> int:
         return line.rstrip("\n")
 
     try:
-        chat.run(read_line, args.prompt if args.prompt is not None else args.question)
+        chat.run(read_line, first)
     finally:
         engine.shutdown()
     return 0

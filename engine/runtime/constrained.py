@@ -103,7 +103,7 @@ class JsonVocabulary:
         from `state`. Necessary for the token to continue the object, not sufficient (the rest of
         its text must too)."""
         allowed = [grammar.advance(state, chr(c)) is not None for c in range(_BYTES)] + [False]
-        codes = self.markup_first_codes if getattr(grammar, "reads_markup", False) else self.first_codes
+        codes = self.markup_first_codes if grammar.reads_markup else self.first_codes
         return to_device(self.device, allowed, torch.bool)[codes]
 
 
@@ -139,7 +139,6 @@ class JsonAnswer:
     def __init__(self, vocabulary: JsonVocabulary, grammar=JSON_OBJECT):
         self.vocabulary = vocabulary.build()
         self.grammar = grammar
-        self.markup = getattr(grammar, "reads_markup", False)
         self.state = grammar.start
         self.blank_run = 0
 
@@ -149,7 +148,7 @@ class JsonAnswer:
 
     def after(self, token: int) -> tuple[tuple, int] | None:
         """(state, blank run) after `token`, or None when it does not continue the object."""
-        text = self.vocabulary.text(token, self.markup)
+        text = self.vocabulary.text(token, self.grammar.reads_markup)
         if text is None or (self.state is self.grammar.start and text[0] in _WHITESPACE):
             return None  # the answer starts with its "{"
         state = self.grammar.advance(self.state, text)
@@ -229,7 +228,7 @@ def choose_rows(logits: torch.Tensor, samplers: list[Sampler], contexts: list[to
 
 def json_answer_for(request: ChatRequest, vocabulary: JsonVocabulary, family: str) -> JsonAnswer | None:
     """A new answer state for a JSON-mode request (checked: check_json_request) or for the
-    arguments of a forced gpt-oss call (forced_arguments_grammar), None otherwise."""
+    arguments of a named forced call (forced_arguments_grammar), None otherwise."""
     if request.response_format == "text":
         grammar = forced_arguments_grammar(request, family)
         return None if grammar is None else JsonAnswer(vocabulary, grammar)
@@ -262,16 +261,13 @@ def arguments_grammar(tools: tuple[dict, ...], name: str, family: str, lenient: 
     if function is None:
         return None  # not a call the engine makes: forced_call_prefix says why
     parameters = function.get("parameters") or {"type": "object"}
-    strict = function.get("strict") is True
+    # Held in full: compiled strictly. Leniently, what strict compiling refuses as not enforced is
+    # what compiling without it accepts and leaves to the model.
+    in_full = function.get("strict") is True and not lenient
     try:
-        try:
-            schema = compile_schema(parameters, name, strict=strict)
-        except SchemaError as e:
-            if not (strict and lenient and e.relaxable):
-                raise
-            schema = compile_schema(parameters, name, strict=False)
+        schema = compile_schema(parameters, name, strict=in_full)
     except SchemaError as e:
-        if strict and not lenient:
+        if in_full:
             raise ValueError(f"the parameters of the strict function {name!r} cannot be held to: {e}") from None
         return JSON_OBJECT if family == "gpt_oss" else None
     return SchemaGrammar(schema) if family == "gpt_oss" else glm_arguments_grammar(schema.root, parameters)
@@ -283,8 +279,7 @@ def strict_calls(request: ChatRequest, vocabulary: JsonVocabulary, family: str):
     to one of them, by name (None for another function); None when no call can be strict. A call
     the model decides on is held to what of its schema can be (keywords the engine does not
     enforce are left to the model), where a forced one is refused."""
-    if request.forced_call is not None or request.response_format != "text" or family not in ("gpt_oss",
-                                                                                               "glm4v_moe"):
+    if request.forced_call is not None or request.response_format != "text":
         return None
     grammars = {t["function"]["name"]: arguments_grammar(request.tools, t["function"]["name"], family, lenient=True)
                 for t in request.tools if t["function"].get("strict") is True}

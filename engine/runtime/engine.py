@@ -254,7 +254,7 @@ class Engine:
         with self._format_lock:
             # None unless JSON mode or a forced call's arguments
             json_answer = json_answer_for(request, self.json_vocabulary, self.spec.family)
-            calls = strict_calls(request, self.json_vocabulary, self.spec.family) if request.tools else None
+            calls = strict_calls(request, self.json_vocabulary, self.spec.family)
             prompt, dropped = fit_to_context(request, self.formatter.build, limit)
         n = len(prompt.input_ids)
         if n >= limit:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 
-from .json_schema import JsonSchema, LiteralsNode, Node, ObjectNode, StringNode, concrete
+from .json_schema import JsonSchema, LiteralsNode, Node, ObjectNode, StringNode, concrete, latin1
 from .schema_constraint import SchemaGrammar
 
 MARKUP = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "</tool_call>")
@@ -66,12 +66,9 @@ class GlmArgumentsGrammar:
         """What may come once property `start - 1` is written: a listed property up to the first
         required one, or the end of the call when none of them is required."""
         node, lead = self.node, "" if first else "\n"
-        candidates = []
-        for i in range(start, len(node.keys)):
-            candidates.append((f"{lead}<arg_key>{_unquoted(node.keys[i])}</arg_key>\n<arg_value>", i))
-            if node.required[i]:
-                break
-        else:
+        candidates = [(f"{lead}<arg_key>{latin1(node.names[i])}</arg_key>\n<arg_value>", i)
+                      for i in node.next_properties(start)]
+        if node.may_close(start):
             candidates.append((f"{lead}</tool_call>", END))
         return TAGS, tuple(candidates), 0
 
@@ -145,7 +142,7 @@ def _value_grammar(node: Node, as_text: bool):
 
 def _unquoted(written: str) -> str:
     """A JSON string's text (both in the automaton's Latin-1 view of UTF-8 bytes)."""
-    return json.loads(written.encode("latin-1").decode("utf-8")).encode("utf-8").decode("latin-1")
+    return latin1(json.loads(written.encode("latin-1").decode("utf-8")))
 
 
 def glm_arguments_grammar(root: Node, parameters: dict) -> GlmArgumentsGrammar | None:
@@ -156,6 +153,5 @@ def glm_arguments_grammar(root: Node, parameters: dict) -> GlmArgumentsGrammar |
     if len(shapes) != 1 or not isinstance(shapes[0], ObjectNode):
         return None
     listed = parameters.get("properties") if isinstance(parameters.get("properties"), dict) else {}
-    schemas = [listed.get(json.loads(k.encode("latin-1").decode("utf-8"))) for k in shapes[0].keys]
-    as_text = tuple(isinstance(p, dict) and p.get("type") == "string" for p in schemas)
+    as_text = tuple(isinstance(listed.get(n), dict) and listed[n].get("type") == "string" for n in shapes[0].names)
     return GlmArgumentsGrammar(shapes[0], as_text)

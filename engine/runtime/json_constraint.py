@@ -195,6 +195,7 @@ class JsonObjectGrammar:
     """This automaton behind the interface constrained.py drives (start, advance, is_complete,
     between_tokens), which schema_constraint.SchemaGrammar shares."""
     start = START_STATE
+    reads_markup = False  # special tokens never continue a JSON text
     advance = staticmethod(advance)
     is_complete = staticmethod(is_complete)
     between_tokens = staticmethod(between_tokens)

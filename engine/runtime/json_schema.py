@@ -64,13 +64,27 @@ class Node:
 
 @dataclass(frozen=True, eq=False)
 class ObjectNode(Node):
-    """keys[i]: property i's key as written, quotes included (Latin-1 view of its UTF-8 bytes);
-    values[i] its schema; required[i] whether it must be written. additional: the value schema of
-    an object that lists no properties (any keys), None when such an object must stay empty."""
+    """keys[i]: property i's key as written, quotes included (Latin-1 view of its UTF-8 bytes), of
+    the property named names[i]; values[i] its schema; required[i] whether it must be written.
+    additional: the value schema of an object that lists no properties (any keys), None when such
+    an object must stay empty."""
     keys: tuple[str, ...]
     values: tuple[Node, ...]
     required: tuple[bool, ...]
     additional: Node | None
+    names: tuple[str, ...] = ()
+
+    def next_properties(self, start: int) -> range:
+        """The listed properties that may come next when those before `start` are done: up to the
+        first required one from `start` on (which cannot be skipped), else all the rest."""
+        for i in range(start, len(self.keys)):
+            if self.required[i]:
+                return range(start, i + 1)
+        return range(start, len(self.keys))
+
+    def may_close(self, start: int) -> bool:
+        """Whether the object may end when the properties before `start` are done."""
+        return not any(self.required[start:])
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,9 +147,14 @@ class JsonSchema:
     source: dict = field(default_factory=dict)
 
 
+def latin1(text: str) -> str:
+    """`text` in the automaton's view: its UTF-8 bytes, one character each."""
+    return text.encode("utf-8").decode("latin-1")
+
+
 def written(value) -> str:
     """A JSON value's text as the answer would hold it (compact), in the automaton's Latin-1 view."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8").decode("latin-1")
+    return latin1(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
 
 def concrete(node: Node) -> list[Node]:
@@ -162,11 +181,7 @@ def compile_schema(schema, name: str = "answer", strict: bool = False) -> JsonSc
     """Raises SchemaError saying what cannot be held to and where. The top level must be an object."""
     if not isinstance(schema, dict):
         raise SchemaError("the schema must be a JSON object")
-    compiler = _Compiler(schema, strict)
-    root = compiler.node(schema, "#")
-    for ref in compiler.refs.values():
-        if ref.target is None:  # pragma: no cover - every ref is compiled when first met
-            raise SchemaError(f"$ref {ref.pointer!r} could not be resolved")
+    root = _Compiler(schema, strict).node(schema, "#")
     shapes = concrete(root)
     if not shapes or not all(isinstance(n, ObjectNode) for n in shapes):
         raise SchemaError("the schema's top level must be an object (\"type\": \"object\"): the answer is one "
@@ -267,7 +282,7 @@ class _Compiler:
             names = list(properties)
             return ObjectNode(tuple(written(n) for n in names),
                               tuple(self.node(properties[n], f"{pointer}/properties/{_escape(n)}") for n in names),
-                              tuple(n in required for n in names), None)
+                              tuple(n in required for n in names), None, tuple(names))
         extra = schema.get("additionalProperties", True)
         return ObjectNode((), (), (), None if extra is False else self.node(extra, f"{pointer}/additionalProperties"))
 

@@ -74,6 +74,8 @@ class SchemaGrammar:
     """The automaton for one compiled schema: start, advance, is_complete, between_tokens (the
     interface constrained.py drives, as json_constraint.JSON_OBJECT)."""
 
+    reads_markup = False  # special tokens never continue a JSON text
+
     def __init__(self, schema: JsonSchema):
         self.schema = schema
         self.start: SchemaState = (((VALUE, schema.root),),)
@@ -216,19 +218,6 @@ def _opened(shape: Node, c: str) -> tuple | None:
     return None
 
 
-def _last_candidate(node: ObjectNode, start: int) -> int:
-    """The last listed property that may come next: the first required one from `start` on, else
-    the last."""
-    for i in range(start, len(node.keys)):
-        if node.required[i]:
-            return i
-    return len(node.keys) - 1
-
-
-def _may_close(node: ObjectNode, start: int) -> bool:
-    return not any(node.required[start:])
-
-
 def _object_step(top: tuple, below: Thread, c: str) -> list[Thread]:
     _, node, start, phase = top
     if phase == COLON:
@@ -240,10 +229,10 @@ def _object_step(top: tuple, below: Thread, c: str) -> list[Thread]:
         if c == ",":
             more = start < len(node.keys) if node.keys else node.additional is not None
             return [below + ((OBJECT, node, start, COMMA),)] if more else []
-        return [below] if c == "}" and _may_close(node, start) else []
+        return [below] if c == "}" and node.may_close(start) else []
     # OPEN or COMMA: a key, or (OPEN only) the close of an empty object
     if c == "}":
-        return [below] if phase == OPEN and _may_close(node, start) else []
+        return [below] if phase == OPEN and node.may_close(start) else []
     if c != '"':
         return []
     if node.keys:
@@ -257,7 +246,7 @@ def _key_step(top: tuple, below: Thread, c: str) -> list[Thread]:
     _, node, start, read = top
     read += c
     alive = False
-    for i in range(start, _last_candidate(node, start) + 1):
+    for i in node.next_properties(start):
         key = node.keys[i]
         if key == read:  # a key's text ends with its closing quote, so no other key continues it
             return [below + ((OBJECT, node, i + 1, COLON),)]

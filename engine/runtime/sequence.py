@@ -11,13 +11,12 @@ With a split KV cache (kv_cache.py) `sliding_blocks` is the sliding group's tabl
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Callable
 
 import torch
 
