@@ -118,7 +118,7 @@ def chat_body(body: object, store: ResponseStore | None = None) -> tuple[dict, l
         out["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
         out["tool_choice"] = _tool_choice(body["tool_choice"])
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    fmt = _text_format(body)
     if fmt is not None:
         out["response_format"] = _format(fmt)
     reasoning = body.get("reasoning")
@@ -244,6 +244,12 @@ def _tool_choice(choice):
     return choice
 
 
+def _text_format(body: dict):
+    """The request's `text.format`, None when it gives none."""
+    text = body.get("text")
+    return text.get("format") if isinstance(text, dict) else None
+
+
 def _format(fmt):
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
@@ -267,7 +273,7 @@ class ResponseBuilder:
         """The response object: in progress before `final`, then as it ended."""
         body = self.body
         status = "in_progress" if final is None else _STATUS.get(final.finish_reason, "completed")
-        fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+        fmt = _text_format(body)
         out = {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
                "model": self.model, "output": copy.deepcopy(self.items) if final is not None else [],
                "error": None, "incomplete_details": None, "instructions": body.get("instructions"),
