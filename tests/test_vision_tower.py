@@ -1,0 +1,33 @@
+"""The GLM-4.5V vision tower's own pieces (its outputs against transformers are in test_parity.py)."""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fixtures import open_fixture  # noqa: E402
+from localchat.engine.models import glm4v_vision  # noqa: E402
+from localchat.engine.models.glm4v_vision import Glm4vVisionTower  # noqa: E402
+from localchat.engine.weights.loader import load_weights, read_spec  # noqa: E402
+
+
+def _tower():
+    path = open_fixture("glm-bf16")
+    spec = read_spec(path)
+    return Glm4vVisionTower(spec.vision, load_weights(path, spec, dtype=torch.float32), "model.visual")
+
+
+def test_position_tables_cached_per_grid_give_the_same_rows():
+    tower = _tower()
+    cpu = torch.device("cpu")
+    grids = [(1, 4, 6), (2, 6, 4), (1, 8, 8), (1, 2, 10), (1, 4, 4), (1, 6, 6)]
+    # each grid computed by a tower that has seen nothing else
+    alone = {g: _tower()._position_embedding(torch.tensor([g]), cpu) for g in grids}
+    for g in grids + grids[:2]:  # more grids than are kept, then the first ones again
+        assert torch.equal(tower._position_embedding(torch.tensor([g]), cpu), alone[g])
+        assert len(tower._positions) <= glm4v_vision.POSITION_CACHE
+    # several images at once: their rows one after another, each frame repeating its grid's
+    both = tower._position_embedding(torch.tensor([grids[1], grids[0]]), cpu)
+    assert both.shape[0] == 2 * 6 * 4 + 4 * 6
+    assert torch.equal(both, torch.cat([alone[grids[1]], alone[grids[0]]]))
+    assert torch.equal(alone[(2, 6, 4)], _tower()._position_embedding(torch.tensor([[1, 6, 4]]), cpu).repeat(2, 1))
