@@ -144,7 +144,7 @@ def _fp8_linear_kernel(x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, str
     k_lo = split * K_SPLIT
     for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
         acc = _weight_dot(acc, w_ptr, s_ptr, zero, n, n_mask, k0, K, x_ptr, rows, m_valid, stride_xm,
-                          0, stride_wn, 0, stride_sn, stride_sk, FORMAT, False, SBN, SBK, BLOCK_K, "bf16")
+                          0, stride_wn, 0, stride_sn, stride_sk, FORMAT, False, SBN, SBK, BLOCK_K, "bf16", False)
     acc = _row_scale(acc, s_ptr, zero, n, n_mask, 0, stride_sn, FORMAT)
     mask = m_valid[None, :] & n_mask[:, None]
     if SPLIT_K > 1:

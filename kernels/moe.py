@@ -10,7 +10,8 @@ stacks' rows are 16-byte aligned as the loader stores them, fed by the TMA engin
 MoeConfig.block_m 2, two pairs of one expert a program, grouped by moe_align:
 moe_gemv_pairs.py). From two pairs per expert on, MXFP4 experts with bf16 activations run on
 tensor-core kernels that decode each expert's rows once for all its pairs (moe_mx_mma.py; the
-activations are first reordered by one copy).
+activations are first reordered by one copy). FP8 experts at prefill sizes (MoeConfig.fp8_act)
+quantise each GEMM's input rows to e4m3 first, one launch each, for FP8 x FP8 tiles.
 Routing (topk_weights, topk_ids) comes from kernels/moe_routing.py.
 
 Weights stay in their checkpoint format (kernels/moe_gemm.py lists the four). The expert stacks
@@ -28,6 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..engine.weights.formats import DenseWeight, Fp8Weight, LinearWeight, Mxfp4Weight, rows_aligned
 from .arrivals import arrival_counts
+from .fp8_linear import quant_rows, quant_rows_ref
 from .gpu_facts import compiled_on_gpu, gpu_arch
 from .moe_align import moe_align
 from .moe_config import MoeConfig, MoeExperts, default_config, gpt_oss_experts, split_gate_up  # noqa: F401
@@ -72,6 +74,24 @@ def _fp8_block_k_fits(block_k: int, gemv: bool, scale_block_k: int) -> bool:
 def _check(t: torch.Tensor, what: str) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{what} must be contiguous along K (stride 1), got strides {t.stride()}")
+
+
+def fp8_activations(x: torch.Tensor, experts: MoeExperts, num_pairs: int, config: MoeConfig | None) -> bool:
+    """Whether fused_moe (with `config`, or its default when None) quantises the activations of
+    both GEMMs to e4m3, a scale a row, for FP8 x FP8 tensor-core tiles: FP8 experts on the tile
+    kernels with MoeConfig.fp8_act. The per-token dynamic scaling compressed-tensors FP8 checkpoints
+    are made for (models.md B), as the dense FP8 linears do from 33 tokens."""
+    fmts = {_kernel_weight(w)[0] for w in (experts.gate, experts.up, experts.down)}
+    if not fmts <= {FMT_FP8_ROW, FMT_FP8_BLK}:
+        return False
+    cfg = config or default_config(num_pairs, experts.num_experts, fmts.pop(), compiled_on_gpu(x.device),
+                                   x.element_size(), bf16=False, arch=gpu_arch(x.device))
+    return cfg.fp8_act and not cfg.gemv
+
+
+def _quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]), x ~ q * scale."""
+    return (quant_rows if compiled_on_gpu(x.device) else quant_rows_ref)(x)
 
 
 def takes_half2_input(experts: MoeExperts, num_tokens: int, top_k: int, x_dtype: torch.dtype,
@@ -186,8 +206,11 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         moe_gate_up_gemv_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             *gate_up_args, SORTED=sorted_pairs, STAGES=cfg.num_stages, **gate_up_meta)
     else:
+        x_scaled = fp8_activations(x, experts, num_pairs, cfg)
+        xq, xs = _quantized_rows(x) if x_scaled else (x, x)
         moe_gate_up_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
-            *gate_up_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **gate_up_meta)
+            xq, xq.stride(0), *gate_up_args[2:], xs, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt,
+            X_SCALED=x_scaled, **gate_up_meta)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias, bd, bd_stride = _down_bias(experts, x)
     pair_weights = topk_weights.reshape(-1).to(torch.float32)
@@ -211,8 +234,10 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         if cfg.fused_combine:
             return out
     else:
+        aq, a_scales = _quantized_rows(act) if x_scaled else (act, act)
         moe_down_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
-            *down_args, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt, **down_meta)
+            aq, aq.stride(0), *down_args[2:], a_scales, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt,
+            X_SCALED=x_scaled, **down_meta)
     return _combine(y, topk_ids, out)
 
 
@@ -415,10 +440,13 @@ def fused_moe_ref(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tens
                   config: MoeConfig | None = None, x_half2: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Per-expert loop in float32 over exactly dequantised weights; the activation between the
     two GEMMs is rounded to x.dtype as the kernel stores it. Pairs of expert -1 add nothing.
-    config and x_half2 are fused_moe's launch details: taken, not used."""
+    Where fused_moe quantises the activations to e4m3 (fp8_activations: FP8 experts at prefill
+    sizes), so does this, the same way. config and x_half2 are otherwise launch details: taken,
+    not used."""
     t, h = x.shape
     k = topk_ids.shape[1]
-    xf = x.to(torch.float32)
+    x_scaled = fp8_activations(x, experts, t * k, config)
+    xf = _dequantized_rows(x) if x_scaled else x.to(torch.float32)
     out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1).to(torch.int64)
     for e in flat_ids.unique().tolist():
@@ -437,10 +465,16 @@ def fused_moe_ref(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tens
             g = g.clamp(max=experts.limit)
             u = u.clamp(-experts.limit, experts.limit)
             a = g * torch.sigmoid(experts.alpha * g) * (u + 1.0)
-        a = a.to(x.dtype).to(torch.float32)
+        a = _dequantized_rows(a.to(x.dtype)) if x_scaled else a.to(x.dtype).to(torch.float32)
         y = a @ expert_slice(experts.down, e).dequantize().T
         if experts.down_bias is not None:
             y = y + experts.down_bias[e].to(torch.float32)
         w = topk_weights.reshape(-1)[pairs].to(torch.float32)
         out.index_add_(0, tokens, y * w[:, None])
     return out.to(x.dtype)
+
+
+def _dequantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] through the e4m3 row quantisation and back, float32."""
+    q, scale = quant_rows_ref(x)
+    return q.to(torch.float32) * scale

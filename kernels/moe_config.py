@@ -73,6 +73,9 @@ class MoeConfig:
     # GEMM, whose shape differs from gate/up's (GLM-4.5V: 4096 rows of 1408 against 2 x 1408
     # rows of 4096; gpt-oss: one matrix against two)
     down_tile: tuple[int, int, int, int] | None = None
+    # FP8 tensor-core tiles (gemv False): both GEMMs' activations quantised to e4m3 with a scale a
+    # row, so the dots run FP8 x FP8 instead of converting the weights to bf16 (fp8_activations)
+    fp8_act: bool = False
     # mx_half2: K steps after the last whole block_k (gpt-oss's 2880 = 11 * 256 + 64), so no
     # decoded code is masked off; block_k gives one masked step instead
     tail_k: int = 64
@@ -230,6 +233,12 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
     else:
         # FP8 at 64 pairs per expert (GLM-4.5V, 1024 tokens): K step 128 2092 us, 64 2506 us
         cfg = MoeConfig(64, 128, 64 if fmt == FMT_DENSE else 128, 8, 3)
+    # FP8 weights from 17 pairs per expert: the activations quantised to e4m3 a row at a time and
+    # the dots FP8 x FP8, instead of the weights converted to bf16 in registers. H100, GLM-4.5V
+    # shapes, channel / block scales (bench/bench_moe_prefill.py): 1024 tokens 2539 -> 1383 /
+    # 2206 -> 1299 us, 4096 tokens 6762 -> 3215 / 5584 -> 2981 us; at 256 tokens (16 pairs per
+    # expert) 1124 -> 1189 / 1165 -> 967 and at 64 960 -> 818 / 898 -> 898, mixed, so left as they were
+    fp8_act = fmt in (FMT_FP8_ROW, FMT_FP8_BLK) and arch.fp8 and per_expert > 16
     # Pipelined tiles must fit in shared memory (227 KiB a program on Hopper, 99 KiB on Ada and
     # consumer Blackwell): fewer stages for wide (fp32) operands or a smaller GPU. Where the
     # tensor cores read both operands from shared memory (Hopper's wgmma) every stage has a
@@ -241,4 +250,4 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
     stages = cfg.num_stages
     while stages > 1 and (stages if arch.mma_from_shared else stages - 1) * stage_bytes > budget:
         stages -= 1
-    return MoeConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stages)
+    return MoeConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stages, fp8_act=fp8_act)

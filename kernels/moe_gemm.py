@@ -12,6 +12,9 @@ BLOCK_N weight rows. Weights are read in their checkpoint format and dequantised
   FMT_MXFP4   uint8 [E, N, K/2] (two E2M1 codes a byte, low nibble first), scale uint8 E8M0
               [E, N, K/32] (OCP Microscaling v1.0 section 5.3.3 / 6.3)
 
+Activations are bf16 / fp16 / fp32, or (X_SCALED, FP8 weights) e4m3 rows with a float32 scale each,
+so the dot is FP8 x FP8 on the tensor cores and the row scales are applied once after the K loop.
+
 Kernel 1 computes both gate and up tiles for the same pairs and applies the GLU activation;
 kernel 2 applies the down projection, the down bias and the routing weight of each pair.
 """
@@ -59,8 +62,9 @@ def _to_dot_dtype(w, dtype: tl.constexpr):
 def _weight_dot(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, x_rows, x_valid, stride_xt,
                 stride_we, stride_wn, stride_se, stride_sn, stride_sk,
                 FORMAT: tl.constexpr, MX_DOT_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-                BLOCK_K: tl.constexpr, X_FMT: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] += W[e, n, k0:k0+BLOCK_K] @ X[x_rows, k0:k0+BLOCK_K]^T."""
+                BLOCK_K: tl.constexpr, X_FMT: tl.constexpr, X_SCALED: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += W[e, n, k0:k0+BLOCK_K] @ X[x_rows, k0:k0+BLOCK_K]^T. X_SCALED: X is
+    e4m3 (rows quantised with a scale each, applied by the caller) and W FP8: an FP8 x FP8 dot."""
     x_dtype = x_ptr.dtype.element_ty
     w_base = w_ptr + e.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn
     if FORMAT == 3:
@@ -94,7 +98,10 @@ def _weight_dot(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, x_rows, x_valid, 
         w = tl.load(w_base + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         xt = tl.load(x_ptr + x_rows[None, :] * stride_xt + kk[:, None],
                      mask=x_valid[None, :] & k_mask[:, None], other=0.0)
-        part = tl.dot(_to_dot_dtype(w, x_dtype), xt)
+        if X_SCALED:
+            part = tl.dot(w, xt)
+        else:
+            part = tl.dot(_to_dot_dtype(w, x_dtype), xt)
         if FORMAT == 2:
             # BLOCK_K divides SBK, so one K step lies inside one scale block
             s = tl.load(s_ptr + e.to(tl.int64) * stride_se + (n // SBN) * stride_sn + (k0 // SBK) * stride_sk,
@@ -138,11 +145,12 @@ def moe_gate_up_kernel(
         sg_ptr, su_ptr, stride_se, stride_sn, stride_sk,
         bg_ptr, bu_ptr, stride_be, stride_bn,
         out_ptr, stride_ot,
-        sorted_ids_ptr, block_expert_ptr, num_pairs, N, K, top_k, alpha, limit,
+        sorted_ids_ptr, block_expert_ptr, num_pairs, N, K, top_k, alpha, limit, xs_ptr,
         FORMAT: tl.constexpr, MX_DOT_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
         X_FMT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[p, n] = act(gate_p[n], up_p[n]) with gate_p = Wg[e] @ x[p // top_k] (+ bias)."""
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_SCALED: tl.constexpr = False):
+    """out[p, n] = act(gate_p[n], up_p[n]) with gate_p = Wg[e] @ x[p // top_k] (+ bias). X_SCALED: x
+    holds e4m3 rows, x[t] * xs[t] the token's activations (FP8 weights only)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -159,12 +167,16 @@ def moe_gate_up_kernel(
     for k0 in range(0, K, BLOCK_K):
         acc_g = _weight_dot(acc_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x_ptr, tokens, valid, stride_xt,
                             stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                            FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT)
+                            FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT, X_SCALED)
         acc_u = _weight_dot(acc_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x_ptr, tokens, valid, stride_xt,
                             stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                            FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT)
+                            FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT, X_SCALED)
     acc_g = _row_scale(acc_g, sg_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
     acc_u = _row_scale(acc_u, su_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
+    if X_SCALED:
+        xs = tl.load(xs_ptr + tokens, mask=valid, other=0.0)[None, :]
+        acc_g *= xs
+        acc_u *= xs
     h = glu_tile(acc_g, acc_u, bg_ptr, bu_ptr, stride_be, stride_bn, e, n, n_mask, alpha, limit, ACT, HAS_BIAS)
     out_ptrs = out_ptr + pairs[None, :].to(tl.int64) * stride_ot + n[:, None]
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[None, :] & n_mask[:, None])
@@ -177,11 +189,12 @@ def moe_down_kernel(
         s_ptr, stride_se, stride_sn, stride_sk,
         b_ptr, stride_be,
         pair_weights_ptr, out_ptr, stride_ot,
-        sorted_ids_ptr, block_expert_ptr, num_pairs, N, K,
+        sorted_ids_ptr, block_expert_ptr, num_pairs, N, K, as_ptr,
         FORMAT: tl.constexpr, MX_DOT_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
         X_FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[p, n] = w_p * (Wd[e] @ a[p] + bd[e])[n], float32, one row per (token, expert) pair."""
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_SCALED: tl.constexpr = False):
+    """out[p, n] = w_p * (Wd[e] @ a[p] + bd[e])[n], float32, one row per (token, expert) pair.
+    X_SCALED: a holds e4m3 rows, a[p] * as[p] the pair's activations (FP8 weights only)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -197,8 +210,10 @@ def moe_down_kernel(
     for k0 in range(0, K, BLOCK_K):
         acc = _weight_dot(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, a_ptr, rows, valid, stride_at,
                           stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                          FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT)
+                          FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT, X_SCALED)
     acc = _row_scale(acc, s_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
+    if X_SCALED:
+        acc *= tl.load(as_ptr + rows, mask=valid, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     gate = tl.load(pair_weights_ptr + rows, mask=valid, other=0.0)

@@ -226,6 +226,18 @@ CASES += [
         "out_ptr": "*fp32"}),
      dict(FORMAT=1, MX_DOT_SCALED=True, SBN=1, SBK=1, X_FMT="bf16", HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64,
           BLOCK_K=128), 4, 4),
+    # prefill sizes: e4m3 activations with a scale a row, FP8 x FP8 dots
+    ("FP8 gate/up tile 64x128x128, e4m3 activations", moe_gate_up_kernel,
+     _types({**{n: TILE_FP8(n) for n in ("wg_ptr", "wu_ptr", "sg_ptr", "su_ptr", "bg_ptr", "bu_ptr", "out_ptr",
+                                        "sorted_ids_ptr", "block_expert_ptr", "alpha", "limit")},
+             "x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"}),
+     dict(FORMAT=2, MX_DOT_SCALED=True, SBN=128, SBK=128, X_FMT="bf16", ACT=0, HAS_BIAS=False, BLOCK_M=64,
+          BLOCK_N=128, BLOCK_K=128, X_SCALED=True), 8, 3),
+    ("FP8 down tile 64x128x128, e4m3 activations", moe_down_kernel, _types({**{n: TILE_FP8(n) for n in (
+        "w_ptr", "s_ptr", "b_ptr", "pair_weights_ptr", "sorted_ids_ptr", "block_expert_ptr")},
+        "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "out_ptr": "*fp32"}),
+     dict(FORMAT=1, MX_DOT_SCALED=True, SBN=1, SBK=1, X_FMT="bf16", HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128,
+          BLOCK_K=128, X_SCALED=True), 8, 3),
     ("MXFP4 gate/up tile 16x128x128 (dot_scaled)", moe_gate_up_kernel, TILE_MX,
      dict(FORMAT=3, MX_DOT_SCALED=True, SBN=1, SBK=32, X_FMT="bf16", ACT=1, HAS_BIAS=True, BLOCK_M=16,
           BLOCK_N=128, BLOCK_K=128), 4, 3),

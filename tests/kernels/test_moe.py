@@ -47,6 +47,26 @@ def test_glm_fused_concat_layout_matches_separate():
     assert rel_err(out, fused_moe_ref(x, separate, w, ids)) < 1e-4
 
 
+@pytest.mark.parametrize("fmt", ["fp8_channel", "fp8_block"])
+def test_fp8_tiles_on_e4m3_activations(fmt):
+    # Both GEMMs' inputs quantised per row to e4m3 (FP8 x FP8 dots); the reference quantises the
+    # same way when given the same config. 19 tokens: a partial pair block; K=80 a partial K tile.
+    e, k, h, i, t = 6, 2, 80, 40, 19
+    gate, up, down = _glm_weights(fmt, e, i, h, torch.float32)
+    experts = MoeExperts(gate, up, down)
+    x = torch.randn(t, h, device=DEV) * torch.rand(t, 1, device=DEV) * 4  # rows of unlike scales
+    w, ids = random_routing(t, e, k)
+    cfg = MoeConfig(16, 32, 16, 1, 1, fp8_act=True)
+    out = fused_moe(x, experts, w, ids, config=cfg)
+    ref = fused_moe_ref(x, experts, w, ids, config=cfg)
+    exact = fused_moe_ref(x, experts, w, ids)  # activations unquantised
+    assert rel_err(out, ref) < 1e-4
+    # the quantisation did happen, and costs what e4m3's 3 mantissa bits cost
+    assert 2e-3 < rel_err(out, exact) < 8e-2
+    unscaled = fused_moe(x, experts, w, ids, config=MoeConfig(16, 32, 16, 1, 1))
+    assert rel_err(unscaled, exact) < 1e-4
+
+
 @pytest.mark.parametrize("dot_scaled", [True, False])
 def test_gpt_oss_mxfp4_experts(dot_scaled):
     e, k, h, i, t = 5, 2, 64, 64, 7
