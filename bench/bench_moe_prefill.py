@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
 from bench_moe_sweep import COPY_CEILING_GBS, expert_bytes, make_case  # noqa: E402
-from kernel_checks import rel_err  # noqa: E402
+from kernel_checks import eager_time_ms, rel_err  # noqa: E402
 
 from localchat.kernels.gpu_facts import gpu_arch  # noqa: E402
 from localchat.kernels.moe import MoeConfig, default_config, fused_moe, fused_moe_ref  # noqa: E402
@@ -26,21 +26,6 @@ from localchat.kernels.moe_gemm import FMT_FP8_BLK, FMT_FP8_ROW  # noqa: E402
 from localchat.kernels.moe_routing import route_glm  # noqa: E402
 
 E, K, H, I = 128, 8, 4096, 1408
-
-
-def time_ms(fn) -> float:
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -70,7 +55,7 @@ def main() -> None:
                   f"{nbytes / 1e9:.2f} GB):", flush=True)
             for i, (label, cfg, shown) in enumerate(variants):
                 try:
-                    ms = time_ms(lambda: fused_moe(x, experts, w, ids, config=cfg))
+                    ms = eager_time_ms(lambda: fused_moe(x, experts, w, ids, config=cfg))
                 except Exception as e:  # a tile that does not fit this GPU's shared memory, say
                     print(f"  {label}: failed ({type(e).__name__}: {str(e)[:120]})")
                     continue

@@ -8,13 +8,18 @@ The first grid is also run in float32, and each bf16 form's distance from it pri
 """
 import argparse
 import importlib.util
+import os
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from localchat.app.bench import spec_for
-from localchat.engine.models.glm4v_vision import Glm4vVisionTower
-from localchat.engine.weights.dummy import dummy_weights, to_device
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
+from kernel_checks import eager_time_ms  # noqa: E402
+
+from localchat.app.bench import spec_for  # noqa: E402
+from localchat.engine.models.glm4v_vision import Glm4vVisionTower  # noqa: E402
+from localchat.engine.weights.dummy import dummy_weights, to_device  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="glm-4.5v-fp8")
@@ -50,20 +55,6 @@ def flops(n: int) -> float:
     return v.depth * per_block + 2 * n * patch_dim * h + tail
 
 
-def time_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 for g in args.grids.split(","):
     t, h, w = (int(x) for x in g.split("x"))
     grid = torch.tensor([[t, h, w]], device="cuda")
@@ -72,7 +63,7 @@ for g in args.grids.split(","):
     outs = {}
     for label, tw in towers:
         with torch.no_grad():
-            ms = time_ms(lambda: tw(pixels, grid), args.reps)
+            ms = eager_time_ms(lambda: tw(pixels, grid), args.reps, warmups=1)
             outs[label] = tw(pixels, grid).float()
         print(f"grid {g} ({n} patches, ~{w * v.patch_size}x{h * v.patch_size} px), {label}: {ms:.1f} ms, "
               f"{flops(n) / ms / 1e9:.0f} TFLOP/s of {flops(n) / 1e12:.1f} TFLOP", flush=True)

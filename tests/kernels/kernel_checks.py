@@ -47,6 +47,23 @@ def random_mxfp4(*lead_n_k, device="cpu", scale_lo=118, scale_hi=123):
     return blocks, scales
 
 
+def eager_time_ms(fn, reps: int = 10, warmups: int = 2) -> float:
+    """Median milliseconds of fn called eagerly (for work that a CUDA graph cannot hold, or long
+    enough that launch gaps do not matter), after `warmups` calls."""
+    for _ in range(warmups):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def cuda_time_us(fn, iters: int = 20, reps: int = 10) -> float:
     """Median microseconds per call of fn, replayed from a CUDA graph holding `iters` calls
     (graph replay removes the host launch gaps a decode step will not have either)."""
