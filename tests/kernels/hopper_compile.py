@@ -285,6 +285,11 @@ CASES += [
      dict(G=12, D=128, BLOCK_M=64, BLOCK_N=64, HAS_SINKS=False, HAS_WINDOW=False), 4, 2),
     ("prefill attention, gpt-oss", _prefill_kernel, PREFILL_ATTENTION,
      dict(G=8, D=64, BLOCK_M=64, BLOCK_N=64, HAS_SINKS=True, HAS_WINDOW=True), 4, 2),
+    # the tiles prefill_tile takes for full-attention layers
+    ("prefill attention, GLM-4.5V, 128x128 tiles", _prefill_kernel, PREFILL_ATTENTION,
+     dict(G=12, D=128, BLOCK_M=128, BLOCK_N=128, HAS_SINKS=False, HAS_WINDOW=False), 8, 2),
+    ("prefill attention, gpt-oss, 128x64 tiles", _prefill_kernel, PREFILL_ATTENTION,
+     dict(G=8, D=64, BLOCK_M=128, BLOCK_N=64, HAS_SINKS=True, HAS_WINDOW=False), 8, 3),
     ("FP8 activations per token and 128 columns", _quant_groups_kernel,
      _types({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}), dict(BLOCK_G=8), 4, 1),
     ("FP8 activations per token", _quant_rows_kernel,

@@ -10,15 +10,18 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("sinks,window", [(False, None), (True, None), (True, 7), (False, 12)])
-def test_prefill_matches_reference(dtype, sinks, window):
-    ctx_lens, q_lens = [37, 20, 5], [21, 20, 1]  # cached prefix of 16; no prefix; a single token
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
+def test_prefill_matches_reference(dtype, sinks, window, block_m, block_n):
+    # cached prefix of 16; no prefix; a single token; a prefix of 61 (key tiles before each
+    # query tile that need no causal mask, and one that does)
+    ctx_lens, q_lens = [37, 20, 5, 100], [21, 20, 1, 39]
     hkv, group, d, block_size = 2, 2, 32, 8
     k, v, tables, ctx = paged_cache(ctx_lens, hkv, d, block_size, dtype)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     q = torch.randn(sum(q_lens), hkv * group, d, device=DEV).to(dtype)
     s = torch.randn(hkv * group, device=DEV) if sinks else None
     args = (q, k, v, tables, ctx, cu, max(q_lens), d ** -0.5, s, window)
-    out = paged_prefill_attention(*args, block_m=16, block_n=16)
+    out = paged_prefill_attention(*args, block_m=block_m, block_n=block_n)
     assert rel_err(out, paged_prefill_attention_ref(*args)) < TOL[dtype]
 
 
@@ -37,3 +40,14 @@ def test_prefill_4k_gpu(hq, hkv, d, sinks, window):
     keys = (prefix + chunk / 2) if window is None else min(window, prefix + chunk)
     flops = 4 * chunk * keys * hq * d
     print(f"\nprefill attention hq={hq} d={d} window={window}: {us:.0f} us, {flops / us / 1e6:.0f} TFLOP/s")
+
+
+def test_prefill_tiles_by_head_size_and_shared_memory():
+    from localchat.kernels.attention_prefill import prefill_tile
+    hopper, ampere, ada = 232448, 166912, 101376
+    assert prefill_tile(128, None, hopper) == (128, 128, 8, 2)
+    # 128 keys of 128 dims in two stages need more than Ampere's or Ada's shared memory
+    assert prefill_tile(128, None, ampere) == prefill_tile(128, None, ada) == (64, 64, 4, 2)
+    for shared in (hopper, ampere, ada):
+        assert prefill_tile(64, None, shared) == (128, 64, 8, 3)
+        assert prefill_tile(64, 128, shared) == (64, 64, 4, 2)  # sliding window: a few key tiles

@@ -1,0 +1,80 @@
+"""Prefill attention at the engine's chunk size (2048 queries) over a paged prefix: the last chunk
+of a 2K, 8K and 32K prompt, for GLM-4.5V (96 query / 8 KV heads of 128) and gpt-oss (64 / 8 of 64,
+sinks; also a sliding-window layer), in several tiles; --before FILE also times another version of
+kernels/attention_prefill.py (e.g. `git show REV:kernels/attention_prefill.py > FILE`), and torch's
+SDPA on the same keys laid out contiguously (causal from the first key, so the first chunk only;
+it has no sinks) is the baseline. TFLOP/s count the causal half: 4 x queries x mean keys x heads x dim.
+    python bench/bench_prefill_attention.py [--before FILE] [--tiles 64:64:4:2,128:64:8:2,...]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
+from kernel_checks import eager_time_ms, paged_cache, rel_err  # noqa: E402
+
+from localchat.kernels.attention_prefill import paged_prefill_attention  # noqa: E402
+
+CASES = [("GLM-4.5V", 96, 8, 128, False, None), ("gpt-oss", 64, 8, 64, True, None),
+         ("gpt-oss sliding", 64, 8, 64, True, 128)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--before")
+    p.add_argument("--tiles", default="64:64:4:2,128:64:8:2,128:64:8:3,128:128:8:2,64:128:4:3,128:32:4:3")
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--prefixes", default="0,6144,30720")
+    args = p.parse_args()
+    forms = []
+    if args.before:
+        spec = importlib.util.spec_from_file_location("localchat.kernels._prefill_before", args.before)
+        before = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(before)
+        forms.append(("before 64x64 w4 s2", lambda *a: before.paged_prefill_attention(*a)))
+    forms.append(("default (prefill_tile)", lambda *a: paged_prefill_attention(*a)))
+    for t in filter(None, args.tiles.split(",")):
+        bm, bn, w, s = (int(v) for v in t.split(":"))
+        forms.append((f"{bm}x{bn} w{w} s{s}", lambda *a, bm=bm, bn=bn, w=w, s=s: paged_prefill_attention(
+            *a, block_m=bm, block_n=bn, num_warps=w, num_stages=s)))
+    chunk = args.chunk
+    for name, hq, hkv, d, sinks, window in CASES:
+        for prefix in (int(v) for v in args.prefixes.split(",")):
+            ctx = prefix + chunk
+            k, v, tables, lens = paged_cache([ctx], hkv, d, 16, torch.bfloat16)
+            cu = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
+            q = torch.randn(chunk, hq, d, device="cuda", dtype=torch.bfloat16)
+            s = torch.randn(hq, device="cuda") if sinks else None
+            a = (q, k, v, tables, lens, cu, chunk, d ** -0.5, s, window)
+            keys = prefix + chunk / 2 if window is None else min(window, ctx)
+            flops = 4 * chunk * keys * hq * d
+            print(f"{name}, {chunk} queries after {prefix} keys:", flush=True)
+            first = None
+            for label, fn in forms:
+                try:
+                    out = fn(*a)
+                    ms = eager_time_ms(lambda: fn(*a))
+                except Exception as e:  # a tile over this GPU's shared memory, say
+                    print(f"  {label}: failed ({type(e).__name__}: {str(e)[:100]})")
+                    continue
+                first = out if first is None else first
+                print(f"  {label}: {ms * 1e3:8.0f} us  {flops / ms / 1e9:5.0f} TFLOP/s  "
+                      f"(rel diff from the first form {rel_err(out, first):.1e})", flush=True)
+            if prefix == 0 and window is None:
+                pages = tables[0, : ctx // 16].long()
+                kc = k[pages].reshape(ctx, hkv, d).transpose(0, 1)[None]
+                vc = v[pages].reshape(ctx, hkv, d).transpose(0, 1)[None]
+                qs = q.transpose(0, 1)[None]
+                ms = eager_time_ms(lambda: F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, enable_gqa=True))
+                print(f"  torch SDPA (contiguous keys, no sinks): {ms * 1e3:8.0f} us  {flops / ms / 1e9:5.0f} TFLOP/s",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
