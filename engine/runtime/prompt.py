@@ -17,6 +17,7 @@ import torch
 
 from ..spec import ModelSpec
 from .constrained import json_answer_prefix
+from .image_inputs import ImageInputs
 from .request import ChatRequest, ImagePart, Message, TextPart, ToolCall
 from .tool_calls import forced_call_prefix
 
@@ -142,6 +143,7 @@ class ChatFormatter:
             raise ValueError(f"{path} has no chat template (tokenizer_config.json or chat_template.jinja); "
                              "the checkpoint is incomplete: download it again")
         self.image_processor = load_image_processor(path) if spec.vision is not None else None
+        self.image_inputs = ImageInputs(self.image_processor) if self.image_processor is not None else None
         added = [t.content for t in self.tokenizer.added_tokens_decoder.values()]
         self.special_texts = tuple(sorted({t for t in added if len(t) > 1}, key=len, reverse=True))
 
@@ -176,8 +178,7 @@ class ChatFormatter:
         ids = self.tokenizer(self.render(request), add_special_tokens=False)["input_ids"]
         if not images:
             return Prompt(ids)
-        pixels = self.image_processor(images=[p.image for p in images], return_tensors="pt")
-        grid = pixels["image_grid_thw"]
+        pixel_values, grid = self.image_inputs(images)
         merge = self.spec.vision.spatial_merge_size
         image_id = self.spec.image_tokens.image
         if ids.count(image_id) != len(images):
@@ -187,4 +188,4 @@ class ChatFormatter:
         expanded: list[int] = []
         for t in ids:
             expanded.extend([image_id] * next(counts) if t == image_id else [t])
-        return Prompt(expanded, pixels["pixel_values"], grid, tuple(p.sha256 for p in images))
+        return Prompt(expanded, pixel_values, grid, tuple(p.sha256 for p in images))

@@ -1,0 +1,54 @@
+"""Image patches through the checkpoint's processor, each image processed once."""
+import torch
+from transformers import AutoImageProcessor
+
+from localchat.app.demo import preprocessor_config
+from localchat.engine.runtime.image_inputs import ImageInputs
+from tiny_models import image
+
+
+def _processor(tmp_path):
+    import json
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(preprocessor_config()))
+    return AutoImageProcessor.from_pretrained(str(tmp_path))
+
+
+class Counting:
+    """The processor, counting the images it is given."""
+
+    def __init__(self, processor):
+        self.processor, self.images = processor, 0
+
+    def __call__(self, images, **kw):
+        self.images += len(images)
+        return self.processor(images=images, **kw)
+
+
+def _batched(processor, images):
+    out = processor(images=[p.image for p in images], return_tensors="pt")
+    return out["pixel_values"], out["image_grid_thw"]
+
+
+def test_patches_as_one_processor_call_gives_them_each_image_once(tmp_path):
+    proc = _processor(tmp_path)
+    a, b, c, d = image(0), image(1, 84, 56), image(2, 112, 168), image(3, 28, 200)
+    inputs = ImageInputs(Counting(proc))
+    for images, processed in (([a, b, c], 3), ([a, b, a, d], 4), ([c, c, d], 4)):
+        pixels, grid = inputs(images)
+        want_pixels, want_grid = _batched(proc, images)
+        assert torch.equal(grid, want_grid) and torch.equal(pixels, want_pixels)
+        assert inputs.processor.images == processed  # the new images only, a repeated one once
+
+
+def test_patches_kept_within_the_byte_budget(tmp_path):
+    proc = _processor(tmp_path)
+    a, b = image(0, 112, 112), image(1, 112, 112)
+    one = _batched(proc, [a])[0]
+    inputs = ImageInputs(Counting(proc), cache_bytes=one.numel() * one.element_size())  # room for one
+    inputs([a])
+    inputs([b])  # a goes out
+    inputs([b])
+    assert inputs.processor.images == 2
+    inputs([a])
+    assert inputs.processor.images == 3
+    assert inputs._bytes <= inputs.cache_bytes and len(inputs._kept) == 1
