@@ -12,7 +12,10 @@
 # launchers choose for Ampere, Ada and consumer Blackwell, run on this GPU against their references;
 # the loader on the GPU, --quantize fp8 included), targets (the MXFP4 MoE with and without the down
 # register cap, decode attention's GPU tests and its engine and plain forms against stages, register
-# caps and key tiles, then the kernel table for the MoE and decode attention).
+# caps and key tiles, then the kernel table for the MoE and decode attention), prefill (what a long
+# prompt or an image waits for: the FP8 MoE at 64-4096 tokens, prefill attention over 2K-32K keys,
+# the vision tower at three image sizes, and the kernels of a 2048-token prefill of GLM-4.5V-FP8 and
+# gpt-oss-120b).
 # Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
@@ -64,4 +67,8 @@ step targets && timeout 100 python3 -m pytest -m gpu tests/kernels/test_attentio
 step targets && timeout "${TARGETS_ROT_S:-150}" python3 bench/bench_attention_splits.py --rotary --batches 1,8 --ctx 8192 --splits 0,48 --block-n 64 --stages 1,2 --max-registers 0,128 2>&1 | tee "$OUT/targets_attention_rotary.log"
 step targets && timeout "${TARGETS_ATTN_S:-100}" python3 bench/bench_attention_splits.py --batches 1 --ctx 8192 --splits 0,128 --block-n 64,128 --stages 1,2 2>&1 | tee "$OUT/targets_attention.log"
 step targets && timeout "${TARGETS_BENCH_S:-150}" python3 bench/bench_kernels.py --only moe,attention 2>&1 | tee "$OUT/targets_bench.log" | tail -40
+step prefill && timeout "${PREFILL_MOE_S:-150}" python3 bench/bench_moe_prefill.py 2>&1 | tee "$OUT/prefill_moe.log" | grep -v Warn
+step prefill && timeout "${PREFILL_ATTN_S:-150}" python3 bench/bench_prefill_attention.py --tiles "" 2>&1 | tee "$OUT/prefill_attention.log" | grep -v Warn
+step prefill && timeout "${VISION_S:-120}" python3 bench/profile_vision.py 2>&1 | tee "$OUT/vision.log" | head -12
+step prefill && timeout "${PREFILL_PROFILE_S:-150}" python3 bench/profile_step.py glm-4.5v-fp8,gpt-oss-120b --layers 4 --prefill 2048 2>&1 | tee "$OUT/prefill_profile.log" | grep -v Warn
 exit 0

@@ -3,7 +3,7 @@ grid, 2-D rotary, non-causal attention per image, spatial 2x2 merge and the merg
 
 On CUDA the residual add and each block's RMSNorm run as one kernel, and q and k are rotated by
 the decoder's rotary kernel (the 2-D angles laid out as its cos / sin rows); elsewhere their torch
-references. A 1024x768 photo (3996 patches) encodes in 30 ms on an H100 (BENCHMARKS.md)."""
+references. A 1024x768 photo (3996 patches) encodes in 17 ms on an H100 (BENCHMARKS.md)."""
 from __future__ import annotations
 
 from collections import OrderedDict
