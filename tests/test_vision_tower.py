@@ -31,3 +31,18 @@ def test_position_tables_cached_per_grid_give_the_same_rows():
     assert both.shape[0] == 2 * 6 * 4 + 4 * 6
     assert torch.equal(both, torch.cat([alone[grids[1]], alone[grids[0]]]))
     assert torch.equal(alone[(2, 6, 4)], _tower()._position_embedding(torch.tensor([[1, 6, 4]]), cpu).repeat(2, 1))
+
+
+def test_attention_takes_sdpa_fused_kernels():
+    # With 3-D inputs SDPA can only run its math path, which writes every [heads, n, n] score
+    # matrix: 136 against 17 ms for a 1024x768 photo on an H100 (BENCHMARKS.md). Allowed only the
+    # flash kernel, such a call raises.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    tower = _tower()
+    grid = torch.tensor([[1, 4, 6], [1, 6, 4]])
+    pixels = torch.randn(48, 3 * 2 * 14 * 14)
+    with torch.no_grad():
+        free = tower(pixels, grid)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            fused = tower(pixels, grid)
+    assert torch.equal(free, fused)
