@@ -3,12 +3,19 @@
 Refused: not decodable, more bytes than `max_bytes`, more pixels than `max_pixels` (a guard
 against decompression bombs), more than `max_images` per message. Accepted images above
 `target_pixels` are downscaled (aspect kept) and the caller shows the returned note.
+
+An API client sends every image of a conversation again with each turn; decoding a 12 MP phone
+photo, downscaling and re-encoding it takes ~220 ms on a 2-core machine. So the result for each
+image's bytes is kept (the last PREPARED_BYTES of decoded pictures, least recently used out) and a
+repeated image costs its hash.
 """
 from __future__ import annotations
 
 import hashlib
 import io
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
@@ -46,7 +53,61 @@ def check_count(n: int, limits: ImageLimits) -> None:
                             "Send the rest in a follow-up message.")
 
 
+PREPARED_BYTES = 256 << 20
+
+
+class _Prepared:
+    """Images already prepared, by the sha256 of the bytes given and the limits: (bytes kept,
+    ImagePart, (w, h, new w, new h) when downscaled)."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used = budget, 0
+        self.kept: OrderedDict = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key):
+        with self.lock:
+            if key in self.kept:
+                self.kept.move_to_end(key)
+                return self.kept[key]
+        return None
+
+    def put(self, key, value) -> None:
+        size = _footprint(value)
+        with self.lock:
+            if key in self.kept or size > self.budget:
+                return
+            self.kept[key] = value
+            self.used += size
+            while self.used > self.budget:
+                self.used -= _footprint(self.kept.popitem(last=False)[1])
+
+
+def _footprint(value) -> int:
+    data, part, _ = value
+    w, h = part.image.size
+    return len(data) + 3 * w * h
+
+
+_prepared = _Prepared(PREPARED_BYTES)
+
+
 def prepare_image(data: bytes, name: str, limits: ImageLimits = ImageLimits()) -> PreparedImage:
+    key = (hashlib.sha256(data).digest(), limits)
+    kept = _prepared.get(key)
+    if kept is None:
+        kept = _prepare(data, name, limits)
+        _prepared.put(key, kept)
+    out, part, resized = kept
+    note = None
+    if resized:
+        w, h, nw, nh = resized
+        note = (f"{name} was {w}×{h}; downscaled to {nw}×{nh} "
+                f"(limit {limits.target_pixels / 1e6:.1f} MP) to fit the context.")
+    return PreparedImage(name, out, part, note)
+
+
+def _prepare(data: bytes, name: str, limits: ImageLimits):
     if len(data) > limits.max_bytes:
         raise ImageRejected(f"{name} is {_mb(len(data))}; the limit is {_mb(limits.max_bytes)} per image.")
     try:
@@ -63,17 +124,16 @@ def prepare_image(data: bytes, name: str, limits: ImageLimits = ImageLimits()) -
         raise ImageRejected(f"{name} could not be decoded ({e}); re-save it as PNG or JPEG.")
     fmt = img.format
     rgb = img.convert("RGB")
-    note = None
+    resized = None
     if w * h > limits.target_pixels:
         scale = math.sqrt(limits.target_pixels / (w * h))
         nw, nh = max(1, int(w * scale)), max(1, int(h * scale))
         rgb = rgb.resize((nw, nh), Image.Resampling.LANCZOS)
         data = _encode(rgb, "JPEG" if fmt == "JPEG" else "PNG")
-        note = (f"{name} was {w}×{h}; downscaled to {nw}×{nh} "
-                f"(limit {limits.target_pixels / 1e6:.1f} MP) to fit the context.")
+        resized = (w, h, nw, nh)
     elif fmt not in _KEPT_FORMATS:
         data = _encode(rgb, "PNG")
-    return PreparedImage(name, data, ImagePart(rgb, hashlib.sha256(data).hexdigest()), note)
+    return data, ImagePart(rgb, hashlib.sha256(data).hexdigest()), resized
 
 
 def _mb(n: int) -> str:
