@@ -62,9 +62,9 @@ def main() -> None:
                 note = ""
                 if cfg is not None and cfg.fp8_act and i == len(variants) - len(tiles) and t <= 1024:
                     out = fused_moe(x, experts, w, ids, config=cfg)
-                    note = (f"; rel err {rel_err(out, fused_moe_ref(x, experts, w, ids, config=cfg)):.1e} against "
-                            f"the reference quantised alike, {rel_err(out, fused_moe_ref(x, experts, w, ids, config=base)):.1e}"
-                            " against it unquantised")
+                    alike = rel_err(out, fused_moe_ref(x, experts, w, ids, config=cfg))
+                    exact = rel_err(out, fused_moe_ref(x, experts, w, ids, config=replace(base, fp8_act=False)))
+                    note = f"; rel err {alike:.1e} against the reference quantised alike, {exact:.1e} unquantised"
                 cfg_text = f" {shown}" if shown is not None else ""
                 print(f"  {label}: {ms * 1e3:9.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s  "
                       f"{nbytes / ms / 1e6:6.0f} GB/s ({nbytes / ms / 1e6 / COPY_CEILING_GBS:.0%} of copy){note}{cfg_text}",
