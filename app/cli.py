@@ -142,6 +142,12 @@ def _sampling(args, model_dir: Path):
 def _request(args, model_dir: Path):
     from ..engine.runtime.request import ChatRequest, Message, TextPart
 
+    from .ui_images import ImageLimits, ImageRejected, check_count
+
+    try:
+        check_count(len(args.image), ImageLimits())
+    except ImageRejected as e:
+        raise UserError(str(e)) from None
     images = [_image(path) for path in args.image]
     messages = []
     if args.system:
@@ -155,17 +161,20 @@ def _request(args, model_dir: Path):
 
 
 def _image(path: str):
-    """The image file at `path` as an ImagePart (raises UserError saying what is wrong with it)."""
-    from PIL import UnidentifiedImageError
+    """The image file at `path` as an ImagePart, checked and (above ~2 MP) downscaled as the chat
+    page and the API do, the downscale said on stderr; raises UserError saying what is wrong."""
+    from .ui_images import ImageRejected, prepare_image
 
-    from ..engine.runtime.request import ImagePart
-
-    if not Path(path).is_file():
+    file = Path(path)
+    if not file.is_file():
         raise UserError(f"no such image file: {path}")
     try:
-        return ImagePart.from_path(path)
-    except (UnidentifiedImageError, OSError) as e:
-        raise UserError(f"{path} is not an image this app can read ({e}); use PNG, JPEG, WebP or GIF") from None
+        prepared = prepare_image(file.read_bytes(), file.name)
+    except ImageRejected as e:
+        raise UserError(str(e)) from None
+    if prepared.note:
+        print(f"note: {prepared.note}", file=sys.stderr)
+    return prepared.part
 
 
 def _schema(path: str):

@@ -108,6 +108,21 @@ def test_no_question_at_a_terminal_says_how_to_give_one(monkeypatch):
         _question(build_parser().parse_args(["run", "demo"]))
 
 
+def test_run_downscales_a_large_image_as_the_chat_page_does(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    big = tmp_path / "photo.png"
+    Image.fromarray(np.random.RandomState(0).randint(0, 255, (1400, 1600, 3), dtype=np.uint8)).save(big)
+    out = run_cli("run", open_fixture("glm-bf16"), "--prompt", "What is this?", "--image", big, "--temperature", "0",
+                  "--max-tokens", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    assert "note: photo.png was 1600×1400; downscaled to 1539×1346" in out.stderr
+    too_many = run_cli("run", open_fixture("glm-bf16"), "--prompt", "hi", *[a for _ in range(9) for a in ("--image", big)])
+    assert too_many.returncode != 0 and "9 images attached; the limit is 8" in too_many.stderr
+    assert "Traceback" not in too_many.stderr
+
+
 def test_run_errors_are_one_line(tmp_path):
     missing = run_cli("run", tmp_path / "nope", "--prompt", "hi")
     assert missing.returncode != 0 and "nope" in missing.stderr and "Traceback" not in missing.stderr
