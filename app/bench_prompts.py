@@ -62,6 +62,9 @@ class SyntheticPrompts:
     def thinks(self, request: ChatRequest) -> bool:
         return request.thinking
 
+    def prepare_images(self, request: ChatRequest) -> None:
+        """Each benchmark image is new (no prefix cache hits): processed in build, when it is timed."""
+
     def build(self, request: ChatRequest) -> Prompt:
         parts = [p for m in request.messages for p in m.content]
         images = [p for p in parts if isinstance(p, ImagePart)]

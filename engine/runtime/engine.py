@@ -251,6 +251,7 @@ class Engine:
             raise ValueError(f"logit_bias names a token id outside this model's vocabulary (0 to "
                              f"{self.spec.vocab_size - 1})")
         limit = self.context_limit
+        self.formatter.prepare_images(request)  # outside the lock: other requests' prompts need not wait
         with self._format_lock:
             # None unless JSON mode or a forced call's arguments
             json_answer = json_answer_for(request, self.json_vocabulary, self.spec.family)

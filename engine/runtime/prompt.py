@@ -171,6 +171,13 @@ class ChatFormatter:
             _hf_messages(request.messages, self.spec.family, self.special_texts), tokenize=False,
             add_generation_prompt=True, **kwargs) + prefix
 
+    def prepare_images(self, request: ChatRequest) -> None:
+        """Runs the image processor on the request's images not yet seen, so that build (which the
+        engine calls under its tokenizer lock) finds their patches kept."""
+        images = [p for m in request.messages for p in m.content if isinstance(p, ImagePart)]
+        if images and self.image_inputs is not None:
+            self.image_inputs(images)
+
     def build(self, request: ChatRequest) -> Prompt:
         images = [p for m in request.messages for p in m.content if isinstance(p, ImagePart)]
         if images and self.image_processor is None:

@@ -52,3 +52,20 @@ def test_patches_kept_within_the_byte_budget(tmp_path):
     inputs([a])
     assert inputs.processor.images == 3
     assert inputs._bytes <= inputs.cache_bytes and len(inputs._kept) == 1
+
+
+def test_images_prepared_before_the_prompt_is_built(glm):
+    # The engine runs the processor before taking its tokenizer lock; build then finds the patches.
+    from localchat.engine.runtime.request import TextPart
+    from tiny_models import chat
+
+    engine = glm.engine(block_size=4)
+    inputs = engine.formatter.image_inputs
+    counting = Counting(inputs.processor)
+    inputs.processor = counting
+    request = chat(("user", (image(7, 84, 56), image(8), TextPart("Two pictures?"))))
+    engine.formatter.prepare_images(request)
+    assert counting.images == 2
+    prompt = engine.formatter.build(request)
+    assert counting.images == 2 and prompt.image_grid_thw.shape == (2, 3)
+    engine.shutdown()
