@@ -448,10 +448,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if isinstance(e, UserError) else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _converse(args) -> int:
     """`localchat run MODEL --interactive`: a conversation in the terminal (app/cli_chat.py)."""
     from ..engine.runtime.request import ChatRequest, ImagePart, Message
@@ -495,3 +491,7 @@ def _converse(args) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,12 +14,11 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
+from localchat.engine.runtime.bounded_cache import BoundedCache
 from localchat.engine.runtime.request import ImagePart
 
 _KEPT_FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
@@ -56,40 +55,16 @@ def check_count(n: int, limits: ImageLimits) -> None:
 PREPARED_BYTES = 256 << 20
 
 
-class _Prepared:
-    """Images already prepared, by the sha256 of the bytes given and the limits: (bytes kept,
-    ImagePart, (w, h, new w, new h) when downscaled)."""
-
-    def __init__(self, budget: int):
-        self.budget, self.used = budget, 0
-        self.kept: OrderedDict = OrderedDict()
-        self.lock = threading.Lock()
-
-    def get(self, key):
-        with self.lock:
-            if key in self.kept:
-                self.kept.move_to_end(key)
-                return self.kept[key]
-        return None
-
-    def put(self, key, value) -> None:
-        size = _footprint(value)
-        with self.lock:
-            if key in self.kept or size > self.budget:
-                return
-            self.kept[key] = value
-            self.used += size
-            while self.used > self.budget:
-                self.used -= _footprint(self.kept.popitem(last=False)[1])
-
-
 def _footprint(value) -> int:
+    """Bytes a prepared image holds: (bytes kept, ImagePart, downscale) -> encoded + RGB pixels."""
     data, part, _ = value
     w, h = part.image.size
     return len(data) + 3 * w * h
 
 
-_prepared = _Prepared(PREPARED_BYTES)
+# the images already prepared, by the sha256 of the bytes given and the limits: (bytes kept,
+# ImagePart, (w, h, new w, new h) when downscaled)
+_prepared = BoundedCache(PREPARED_BYTES, _footprint)
 
 
 def prepare_image(data: bytes, name: str, limits: ImageLimits = ImageLimits()) -> PreparedImage:

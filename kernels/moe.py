@@ -81,10 +81,11 @@ def fp8_activations(x: torch.Tensor, experts: MoeExperts, num_pairs: int, config
     both GEMMs to e4m3, a scale a row, for FP8 x FP8 tensor-core tiles: FP8 experts on the tile
     kernels with MoeConfig.fp8_act. The per-token dynamic scaling compressed-tensors FP8 checkpoints
     are made for (models.md B), as the dense FP8 linears do from 33 tokens."""
-    fmts = {_kernel_weight(w)[0] for w in (experts.gate, experts.up, experts.down)}
-    if not fmts <= {FMT_FP8_ROW, FMT_FP8_BLK}:
+    weights = (experts.gate, experts.up, experts.down)
+    if not all(isinstance(w, Fp8Weight) for w in weights):
         return False
-    cfg = config or default_config(num_pairs, experts.num_experts, fmts.pop(), compiled_on_gpu(x.device),
+    fmt = FMT_FP8_ROW if experts.gate.block is None else FMT_FP8_BLK
+    cfg = config or default_config(num_pairs, experts.num_experts, fmt, compiled_on_gpu(x.device),
                                    x.element_size(), bf16=False, arch=gpu_arch(x.device))
     return cfg.fp8_act and not cfg.gemv
 

@@ -6,8 +6,6 @@ the decoder's rotary kernel (the 2-D angles laid out as its cos / sin rows); els
 references. A 1024x768 photo (3996 patches) encodes in 17 ms on an H100 (BENCHMARKS.md)."""
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +13,7 @@ from ...kernels.rotary import apply_rotary, apply_rotary_ref
 from ..layers.linear import linear
 from ..layers.mlp import GatedMLP
 from ..layers.norm import add_rms_norm, layer_norm, rms_norm
+from ..runtime.bounded_cache import BoundedCache
 from ..spec import VisionSpec
 
 POSITION_CACHE = 4  # image grids whose resampled position table is kept (photos often share a size)
@@ -54,7 +53,7 @@ class Glm4vVisionTower:
         self.merger_mlp = GatedMLP(weights, f"{prefix}.merger")
         half = spec.head_dim // 2
         self.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
-        self._positions: OrderedDict = OrderedDict()
+        self._positions = BoundedCache(POSITION_CACHE)  # by (h, w, device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -64,9 +63,9 @@ class Glm4vVisionTower:
         """The position table resampled (bicubic) at the centre of each patch of an h x w grid,
         in the processor's patch order -> [h * w, D]; the last few grids' are kept."""
         key = (h, w, device)
-        if key in self._positions:
-            self._positions.move_to_end(key)
-            return self._positions[key]
+        kept = self._positions.get(key)
+        if kept is not None:
+            return kept
         table = self.position_table
         side = int(table.shape[0] ** 0.5)
         grid_img = table.view(side, side, -1).permute(2, 0, 1).unsqueeze(0).to(torch.float32)
@@ -77,9 +76,7 @@ class Glm4vVisionTower:
         grid = torch.stack((norm[:, 1], norm[:, 0]), dim=-1).view(1, -1, 1, 2)
         sampled = F.grid_sample(grid_img, grid, mode="bicubic", align_corners=False, padding_mode="border")
         out = sampled.view(table.shape[1], -1).t().to(table.dtype)
-        self._positions[key] = out
-        if len(self._positions) > POSITION_CACHE:
-            self._positions.popitem(last=False)
+        self._positions.put(key, out)
         return out
 
     def _position_embedding(self, grid_thw: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -68,6 +68,7 @@ class Sampler:
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu", prompt_len: int = 0):
         self.params = params
         self.prompt_len = prompt_len
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias as (ids, values) on the logits' device
         self.generator = None
         if params.temperature > 0:
             self.generator = torch.Generator(device=device)
@@ -95,9 +96,11 @@ class Sampler:
         logits = apply_presence_frequency(logits, context_ids[self.prompt_len:], p.presence_penalty,
                                           p.frequency_penalty)
         if p.logit_bias:
-            ids, biases = zip(*p.logit_bias)
-            logits = logits.index_add(0, to_device(logits.device, list(ids)),
-                                      to_device(logits.device, list(biases), torch.float32))
+            if self._bias is None:  # once per request: the same on every step
+                ids, biases = zip(*p.logit_bias)
+                self._bias = (to_device(logits.device, list(ids)),
+                              to_device(logits.device, list(biases), torch.float32))
+            logits = logits.index_add(0, *self._bias)
         return logits
 
     def __call__(self, logits: torch.Tensor, context_ids: torch.Tensor) -> int:

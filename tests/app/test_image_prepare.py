@@ -6,6 +6,7 @@ from PIL import Image
 
 from localchat.app import ui_images
 from localchat.app.ui_images import ImageLimits, prepare_image
+from localchat.engine.runtime.bounded_cache import BoundedCache
 
 
 def _png(seed: int, w: int, h: int) -> bytes:
@@ -17,7 +18,7 @@ def _png(seed: int, w: int, h: int) -> bytes:
 def test_a_repeated_image_is_prepared_once_and_named_each_time(monkeypatch):
     calls = []
     real = ui_images._prepare
-    monkeypatch.setattr(ui_images, "_prepared", ui_images._Prepared(ui_images.PREPARED_BYTES))
+    monkeypatch.setattr(ui_images, "_prepared", BoundedCache(ui_images.PREPARED_BYTES, ui_images._footprint))
     monkeypatch.setattr(ui_images, "_prepare", lambda *a: calls.append(a[1]) or real(*a))
     small = ImageLimits(target_pixels=100 * 100)
     data = _png(0, 400, 200)
@@ -35,7 +36,7 @@ def test_prepared_images_kept_within_their_budget(monkeypatch):
     import hashlib
     a, b = _png(0, 64, 64), _png(1, 64, 64)
     sizes = [64 * 64 * 3 + len(d) for d in (a, b)]
-    kept = ui_images._Prepared(sum(sizes) - 1)  # room for either, not both
+    kept = BoundedCache(sum(sizes) - 1, ui_images._footprint)  # room for either, not both
     monkeypatch.setattr(ui_images, "_prepared", kept)
     prepare_image(a, "a")
     prepare_image(b, "b")  # a goes out

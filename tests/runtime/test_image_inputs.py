@@ -51,7 +51,7 @@ def test_patches_kept_within_the_byte_budget(tmp_path):
     assert inputs.processor.images == 2
     inputs([a])
     assert inputs.processor.images == 3
-    assert inputs._bytes <= inputs.cache_bytes and len(inputs._kept) == 1
+    assert inputs.cache.used <= inputs.cache.budget and len(inputs.cache.kept) == 1
 
 
 def test_images_prepared_before_the_prompt_is_built(glm):
