@@ -15,7 +15,9 @@
 # caps and key tiles, then the kernel table for the MoE and decode attention), prefill (what a long
 # prompt or an image waits for: the FP8 MoE at 64-4096 tokens, prefill attention over 2K-32K keys,
 # the vision tower at three image sizes, and the kernels of a 2048-token prefill of GLM-4.5V-FP8 and
-# gpt-oss-120b).
+# gpt-oss-120b), prefill-mxfp4 (gpt-oss-120b's MXFP4 MoE at 256-4096 tokens over tensor-core
+# tiles, its kernels one by one, Nsight Compute's view of them at 1024 tokens, and the kernels of
+# a 2048-token gpt-oss-120b prefill).
 # Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
@@ -71,4 +73,8 @@ step prefill && timeout "${PREFILL_MOE_S:-150}" python3 bench/bench_moe_prefill.
 step prefill && timeout "${PREFILL_ATTN_S:-150}" python3 bench/bench_prefill_attention.py --tiles "" 2>&1 | tee "$OUT/prefill_attention.log" | grep -v Warn
 step prefill && timeout "${VISION_S:-120}" python3 bench/profile_vision.py 2>&1 | tee "$OUT/vision.log" | head -12
 step prefill && timeout "${PREFILL_PROFILE_S:-150}" python3 bench/profile_step.py glm-4.5v-fp8,gpt-oss-120b --layers 4 --prefill 2048 2>&1 | tee "$OUT/prefill_profile.log" | grep -v Warn
+step prefill-mxfp4 && timeout "${PREFILL_MX_S:-240}" python3 bench/bench_moe_prefill.py --only mxfp4 --ts ${PREFILL_MX_TS:-1024,2048,4096,256} --kernels ${PREFILL_MX_ARGS:-} 2>&1 | tee "$OUT/prefill_mxfp4.log" | grep -v Warn
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+step prefill-mxfp4 && [ -n "$NCU" ] && timeout "${PREFILL_NCU_S:-150}" "$NCU" --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python3 bench/ncu_moe_step.py mxfp4 ${PREFILL_NCU_T:-1024} ${PREFILL_NCU_TILE:-} > "$OUT/prefill_mxfp4_ncu.log" 2>&1; tail -5 "$OUT/prefill_mxfp4_ncu.log" 2>/dev/null
+step prefill-mxfp4 && timeout "${PREFILL_PROFILE_S:-150}" python3 bench/profile_step.py gpt-oss-120b --layers 4 --prefill 2048 2>&1 | tee "$OUT/prefill_profile_oss.log" | grep -v Warn
 exit 0

@@ -39,7 +39,7 @@ from .moe_gemv import moe_down_gemv_kernel, moe_gate_up_gemv_kernel
 from .moe_gemv_half2 import act_scale_exp, moe_down_half2_kernel, moe_gate_up_half2_kernel, mx_half2_x_kernel
 from .moe_gemv_pairs import moe_down_pairs_kernel, moe_gate_up_pairs_kernel
 from .moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel
-from .moe_mx_mma import moe_down_mma_kernel, moe_gate_up_mma_kernel
+from .moe_mx_mma import chunk_major, moe_down_mma_kernel, moe_gate_up_mma_kernel
 
 ACTIVATIONS = {"silu_glu": ACT_SILU_GLU, "swiglu_clamped": ACT_SWIGLU_OAI}
 
@@ -389,7 +389,7 @@ def _half2_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Ten
 def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  cfg: MoeConfig, interpret: bool, gate, up, down, biases, out: torch.Tensor,
                  asm_decode: bool = True) -> torch.Tensor:
-    """The experts on kernels/moe_mx_mma.py: activations to quarter-major order, pairs grouped by
+    """The experts on kernels/moe_mx_mma.py: activations to chunk-major order, pairs grouped by
     expert (moe_align), gate/up with the activation, down with the routing weight, then the sum of
     each token's rows into out [T, H]. Arguments as for _half2_experts; asm_decode: the packed
     bf16 decode (Hopper and newer), else the float32 one. -> out."""
@@ -410,22 +410,28 @@ def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tenso
     sorted_ids, block_expert = moe_align(topk_ids, e, cfg.block_m)
     b_max = block_expert.numel()
     gate_up_regs, down_regs = _register_caps(cfg)
-    # element k = 32 g + 8 j + 4 h + q of a row goes to q * H / 4 + 8 g + 2 j + h (quarter_order)
-    xq = x.reshape(t, h // 32, 4, 2, 4).permute(0, 4, 1, 2, 3).reshape(t, h)
-    act = torch.empty((num_pairs, i), dtype=x.dtype, device=x.device)
+    # one dot a K step from 64 pairs a block (prefill sizes): 10-25% shorter at 1024-4096 tokens;
+    # the decode-size tiles (8-32 pairs a block) lost 5-25% with it (H100, bench/bench_moe_prefill.py),
+    # so they keep four dots of a quarter step each
+    one_dot = cfg.block_m >= 64
+    xq = chunk_major(x, cfg.block_k)
+    act_row = triton.cdiv(i, down_k) * down_k
+    act = torch.empty((num_pairs, act_row), dtype=x.dtype, device=x.device)
+    if act_row != i:  # the last chunk's unused columns meet zero weights: they must not be NaN
+        act[:, act_row - down_k:].zero_()
     moe_gate_up_mma_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
         xq, *_code_words(wg, wu), sg, su, *s_strides, bg, bu, *bias_strides,
         act, sorted_ids, block_expert, num_pairs, i, h, k, float(experts.alpha), float(experts.limit),
         ACT=ACTIVATIONS[experts.activation], HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
-        ASM_DECODE=asm_decode, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **gate_up_regs)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, OUT_CHUNK=down_k,
+        ONE_DOT=one_dot, ASM_DECODE=asm_decode, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **gate_up_regs)
     y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
     has_down_bias, bd, bd_stride = _down_bias(experts, x)
     moe_down_mma_kernel[(b_max, triton.cdiv(h, down_n))](
         act, *_code_words(wd), sd, *sd_strides, bd, bd_stride, topk_weights.reshape(-1).to(torch.float32), y,
         y.stride(0), sorted_ids, block_expert, num_pairs, h, i, HAS_BIAS=has_down_bias, INTERPRET=interpret,
-        BLOCK_M=cfg.block_m, BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages, ASM_DECODE=asm_decode,
-        num_warps=down_warps, num_stages=down_stages, **down_regs)
+        BLOCK_M=cfg.block_m, BLOCK_N=down_n, BLOCK_K=down_k, STAGES=down_stages, ONE_DOT=one_dot,
+        ASM_DECODE=asm_decode, num_warps=down_warps, num_stages=down_stages, **down_regs)
     return _combine(y, topk_ids, out)
 
 

@@ -201,14 +201,17 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
             return MoeConfig(1, 8, 256, 1, 3 if one_token else 2, gemv=True, mx_half2=True, wide_x=one_token)
         return MoeConfig(1, 16, 256, 1, 2, gemv=True, mx_half2=True)
     if fmt == FMT_MXFP4 and bf16:
-        # (pairs per expert, tile) measured best on an H200 at 2-128 pairs per expert
-        # (bench/NOTES-moe.md, "Tensor-core MXFP4")
+        # (pairs per expert, tile) measured best on an H200 at 2-16 pairs per expert (bench/NOTES-moe.md,
+        # "Tensor-core MXFP4"); above, 64-pair blocks taking a K step in one dot (kernels/moe_mx_mma.py),
+        # measured on an H100 (bench/bench_moe_prefill.py; BENCHMARKS.md, "Prefill: gpt-oss's MXFP4
+        # experts"): 64 pairs by 64 rows to 64 pairs per expert (gpt-oss-120b 1024-2048 tokens),
+        # then 128 by 64 (4096 tokens: 9-11% shorter than 64 by 64)
         if per_expert <= 4:  # one-warp gate/up programs, a four-warp down tile
             return MoeConfig(8, 16, 128, 1, 3, mx_mma=True, down_tile=(128, 128, 4, 3))
-        for most, tile in ((8, (16, 32, 128, 2, 3)), (32, (32, 64, 128, 4, 3))):
+        for most, tile in ((8, (16, 32, 128, 2, 3)), (16, (32, 64, 128, 4, 3)), (64, (64, 64, 128, 4, 3))):
             if per_expert <= most:
                 return MoeConfig(*tile, mx_mma=True)
-        return MoeConfig(64, 128, 128, 4, 3, mx_mma=True)
+        return MoeConfig(128, 64, 128, 4, 3, mx_mma=True)
     if fmt != FMT_MXFP4 and per_expert <= 1:
         if fmt in (FMT_FP8_ROW, FMT_FP8_BLK):
             # one token's pairs (GLM-4.5V: 8, or 9 with its shared expert folded in): each token's

@@ -243,11 +243,16 @@ CASES += [
           BLOCK_N=128, BLOCK_K=128), 4, 3),
     # the MXFP4 tensor-core kernels: one warp (mma.sync) and one warpgroup (wgmma) tiles
     ("MXFP4 gate/up mma 8x32x128 w2", moe_gate_up_mma_kernel, MMA,
-     dict(ACT=1, HAS_BIAS=True, INTERPRET=False, BLOCK_M=8, BLOCK_N=32, BLOCK_K=128, STAGES=3), 2, 3),
-    ("MXFP4 gate/up mma 64x128x128 w4 (prefill)", moe_gate_up_mma_kernel, MMA,
-     dict(ACT=1, HAS_BIAS=True, INTERPRET=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, STAGES=3), 4, 3),
-    ("MXFP4 down mma 64x128x128 w4", moe_down_mma_kernel, MMA,
-     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, STAGES=3), 4, 3),
+     dict(ACT=1, HAS_BIAS=True, INTERPRET=False, BLOCK_M=8, BLOCK_N=32, BLOCK_K=128, STAGES=3, OUT_CHUNK=128,
+          ONE_DOT=False), 2, 3),
+    ("MXFP4 gate/up mma 64x64x128 w4 (prefill)", moe_gate_up_mma_kernel, MMA,
+     dict(ACT=1, HAS_BIAS=True, INTERPRET=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, STAGES=3, OUT_CHUNK=128,
+          ONE_DOT=True), 4, 3),
+    ("MXFP4 gate/up mma 128x64x128 w4 (long prefill)", moe_gate_up_mma_kernel, MMA,
+     dict(ACT=1, HAS_BIAS=True, INTERPRET=False, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, STAGES=3, OUT_CHUNK=128,
+          ONE_DOT=True), 4, 3),
+    ("MXFP4 down mma 128x64x128 w4", moe_down_mma_kernel, MMA,
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, STAGES=3, ONE_DOT=True), 4, 3),
     ("MoE routing, gpt-oss", _route_kernel, _types({"logits_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
                                                    "ids_ptr": "*i32", "scaling": "fp32"}),
      dict(TOP_K=4, E_PAD=128, K_PAD=4, SCORING=1, HAS_BIAS=False, RENORMALIZE=True), 4, 1),
@@ -461,10 +466,27 @@ def main() -> int:
 
         failed += not _check(f"{name}: at most {budget} registers", lambda: compile_kernel(
             fn, types, constexprs, warps, stages, divisible=True), MEASURED_ARCH, True, False, more=within_budget)
+    for name, fn, types, constexprs, warps, stages in [c for c in CASES if fn_is_prefill_mma(c)]:
+        def mmas_in_flight(kernel):
+            # ptxas waits after every wgmma of a loop when it cannot keep them in flight (the
+            # loop's accumulators defined on a path that skips it, or too few registers)
+            loop = main_loop(disassemble(kernel))
+            mmas = sum(opcode(ins) == "HGMMA" for ins in loop)
+            waits = sum(ins.startswith("WARPGROUP.DEPBAR") for ins in loop)
+            assert mmas and waits < mmas, f"{waits} waits for {mmas} wgmma in the K loop"
+
+        failed += not _check(f"{name}: wgmma in flight across the K step", lambda: compile_kernel(
+            fn, types, constexprs, warps, stages, divisible=True), MEASURED_ARCH, True, False, more=mmas_in_flight)
     for arch in OTHER_GPUS:
         major, minor = arch.capability
         failed += check_target(arch, f"sm_{major}{minor}: ")
     return 1 if failed else 0
+
+
+def fn_is_prefill_mma(case) -> bool:
+    """The MXFP4 tensor-core tiles the launchers take at prefill sizes (one dot a K step, wgmma)."""
+    name, fn, _, constexprs, warps, _ = case
+    return fn in MMA_KERNELS and constexprs["ONE_DOT"]
 
 
 if __name__ == "__main__":

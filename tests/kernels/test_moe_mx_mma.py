@@ -4,7 +4,7 @@ import torch
 
 from kernel_checks import DEV, random_gpt_oss_experts, rel_err
 from localchat.kernels.moe import MoeConfig, fused_moe, fused_moe_ref
-from localchat.kernels.moe_mx_mma import quarter_order
+from localchat.kernels.moe_mx_mma import chunk_major, chunk_order
 from localchat.kernels.moe_routing import route_gpt_oss
 from test_moe_gemv import _gpt_oss_case
 
@@ -27,9 +27,12 @@ def _check_rows(out, ref):
         assert rel_err(out[row], ref[row]) < BF16_TOL, row
 
 
-@pytest.mark.parametrize("block_m,block_n,block_k,down_tile", [(4, 32, 64, None), (2, 16, 128, (32, 32, 1, 1))])
+@pytest.mark.parametrize("block_m,block_n,block_k,down_tile", [(4, 32, 64, None), (2, 16, 128, (32, 32, 1, 1)),
+                                                               (4, 32, 64, (32, 128, 1, 1)), (64, 32, 64, None)])
 def test_gpt_oss_mxfp4_mma(block_m, block_n, block_k, down_tile):
-    # H=96 / I=160: partial K chunks (three and five 32-value groups) and a partial row block;
+    # H=96 / I=160: partial K chunks (three and five 32-value groups, rows padded to whole
+    # chunks, down's K step other than gate/up's) and a partial row block; four dots a K step,
+    # and one (64 pairs a block);
     # 6 experts for 10 pairs: some share an expert, some experts get none, one pair is dropped
     experts, x, w, ids = _case(5, 6, 2, 96, 160)
     cfg = MoeConfig(block_m, block_n, block_k, 1, 1, mx_mma=True, down_tile=down_tile)
@@ -46,13 +49,17 @@ def test_mma_takes_rows_of_a_wider_buffer():
     assert torch.equal(fused_moe(wide[:, :64], experts, w, ids, config=cfg), fused_moe(x, experts, w, ids, config=cfg))
 
 
-def test_quarter_order_is_the_launcher_permutation():
-    h = 96
-    x = torch.arange(2 * h, dtype=torch.float32).view(2, h)
-    xq = x.view(2, h // 32, 4, 2, 4).permute(0, 4, 1, 2, 3).reshape(2, h)
+@pytest.mark.parametrize("h,chunk", [(96, 32), (160, 128), (256, 128), (96, 64)])
+def test_chunk_order_is_the_launcher_permutation(h, chunk):
+    # partial last chunks (160 = 128 + 32, 96 = 64 + 32) padded with zeros, each chunk on its own
+    x = torch.arange(1, 2 * h + 1, dtype=torch.float32).view(2, h)
+    xq = chunk_major(x, chunk)
+    padded = -(-h // chunk) * chunk
+    assert xq.shape == (2, padded)
     for k in range(h):
-        assert xq[1, quarter_order(k, h)] == x[1, k]
-    assert sorted(quarter_order(k, h) for k in range(h)) == list(range(h))
+        assert xq[1, chunk_order(k, chunk)] == x[1, k]
+    assert len({chunk_order(k, chunk) for k in range(h)}) == h
+    assert (xq == 0).sum().item() == 2 * (padded - h)
 
 
 def test_mma_rejects_what_it_cannot_run():
@@ -68,7 +75,7 @@ def test_defaults_take_the_tensor_core_kernels_above_one_pair_per_expert():
     assert default_config(32 * 4, 128, FMT_MXFP4, on_gpu=True).mx_half2  # one pair per expert
     cfg = default_config(64 * 4, 128, FMT_MXFP4, on_gpu=True)
     assert cfg.mx_mma and (cfg.block_m, cfg.block_k, cfg.down_tile) == (8, 128, (128, 128, 4, 3))
-    assert default_config(1024 * 4, 32, FMT_MXFP4, on_gpu=True).block_m == 64
+    assert (default_config(1024 * 4, 32, FMT_MXFP4, on_gpu=True).block_m, default_config(1024 * 4, 128, FMT_MXFP4, on_gpu=True).block_m) == (128, 64)
     # fp16 activations: the row kernels up to four pairs per expert, then the dot_scaled tiles
     assert default_config(64 * 4, 128, FMT_MXFP4, on_gpu=True, bf16=False).mx_half2
     assert not default_config(1024 * 4, 32, FMT_MXFP4, on_gpu=True, bf16=False).mx_mma
@@ -85,7 +92,8 @@ def test_mma_small_shapes_gpu(codes, scales):
     experts, x, w, ids = _case(5, 6, 2, 96, 160, scales=scales, codes=codes)
     for cfg in (MoeConfig(8, 16, 128, 1, 3, mx_mma=True, down_tile=(32, 128, 1, 3)),
                 MoeConfig(8, 32, 128, 2, 2, mx_mma=True),
-                MoeConfig(16, 128, 128, 4, 3, mx_mma=True), MoeConfig(64, 128, 128, 8, 3, mx_mma=True)):
+                MoeConfig(16, 128, 128, 4, 3, mx_mma=True), MoeConfig(64, 128, 128, 8, 3, mx_mma=True),
+                MoeConfig(128, 64, 128, 4, 3, mx_mma=True, down_tile=(128, 256, 8, 2))):
         ref = fused_moe_ref(x, experts, w, ids)
         assert ref.abs().max() > 0
         _check_rows(fused_moe(x, experts, w, ids, config=cfg), ref)
@@ -125,6 +133,8 @@ def test_mma_rejects_tiles_that_fail_on_the_gpu():
     (128, 32, MoeConfig(16, 128, 128, 4, 3, mx_mma=True)),
     (128, 64, MoeConfig(16, 64, 256, 4, 3, mx_mma=True)),
     (32, 32, MoeConfig(16, 128, 128, 8, 3, mx_mma=True)),
+    (128, 1024, MoeConfig(64, 64, 128, 4, 3, mx_mma=True)),
+    (128, 2048, MoeConfig(128, 64, 128, 4, 3, mx_mma=True)),
 ])
 def test_gpt_oss_mma_gpu(e, t, cfg):
     k, h, i = 4, 2880, 2880
