@@ -5,7 +5,7 @@ configuration against other tiles: for FP8 the tensor-core tiles on e4m3 activat
 token count: time per fused_moe call (median of 10 after two warm-ups, one routing per case),
 TFLOP/s of its matmuls and GB/s over the distinct experts' bytes; with --kernels, the default's
 kernels one by one (torch profiler). The first FP8 tile on e4m3 activations is checked against
-the reference at each size, every MXFP4 tile against the default.
+the reference at each size, every MXFP4 tile against the default. mxfp4_20b: gpt-oss-20b's 32 experts.
     python bench/bench_moe_prefill.py [--ts 64,256,1024,4096] [--only fp8_channel,fp8_block,mxfp4]
         [--tiles 64:128:128:8:3,...] [--mma-tiles 32:64:128:4:3,...] [--kernels]
     (tiles block_m:block_n:block_k:num_warps:num_stages; MXFP4 tiles may add
@@ -32,7 +32,7 @@ from localchat.kernels.moe_routing import route_glm, route_gpt_oss  # noqa: E402
 
 # name -> (experts, top-k, hidden, intermediate, format code)
 CASES = {"fp8_channel": (128, 8, 4096, 1408, FMT_FP8_ROW), "fp8_block": (128, 8, 4096, 1408, FMT_FP8_BLK),
-         "mxfp4": (128, 4, 2880, 2880, FMT_MXFP4)}
+         "mxfp4": (128, 4, 2880, 2880, FMT_MXFP4), "mxfp4_20b": (32, 4, 2880, 2880, FMT_MXFP4)}
 
 
 def _mma_tile(spec: str) -> MoeConfig:
@@ -65,7 +65,7 @@ def main() -> None:
     arch = gpu_arch(torch.device("cuda"))
     for fmt in args.only.split(","):
         e, k, h, i, code = CASES[fmt]
-        experts = make_case(fmt, e, h, i)
+        experts = make_case("mxfp4" if code == FMT_MXFP4 else fmt, e, h, i)
         per_expert = expert_bytes(experts)
         mxfp4 = code == FMT_MXFP4
         tiles = mma_tiles if mxfp4 else fp8_tiles
