@@ -80,4 +80,5 @@ class SyntheticPrompts:
         ids: list[int] = []
         for n in (grid.prod(-1) // self.spec.vision.spatial_merge_size ** 2).tolist():
             ids += [tokens.image_start] + [tokens.image] * n + [tokens.image_end]
-        return Prompt(ids + self._ids(text_len), pixels["pixel_values"], grid, tuple(p.sha256 for p in images))
+        per_image = tuple(pixels["pixel_values"].split(grid.prod(-1).tolist()))
+        return Prompt(ids + self._ids(text_len), per_image, grid, tuple(p.sha256 for p in images))

@@ -6,7 +6,10 @@ PIL backend: a bicubic resize, rescale, normalise and patch layout in numpy) tak
 each image's patches are kept, by the sha256 of its bytes, up to a byte budget (least recently used
 first out), and images not yet seen are processed side by side on threads (the resize and the
 numpy passes release the GIL). The processor works on each image alone, so one image's patches do
-not depend on the others in the call and can be concatenated in the prompt's order.
+not depend on the others in the call; they are handed on one tensor an image (the cache's own), and
+only the images the vision tower still has to encode are ever put together (step_runner.py): a
+prompt is built again every turn with all of its images, and concatenating five photos' patches
+took ~27 ms of each turn.
 """
 from __future__ import annotations
 
@@ -26,9 +29,9 @@ class ImageInputs:
         self.processor = processor
         self.cache = BoundedCache(cache_bytes, lambda patches: patches[0].numel() * patches[0].element_size())
 
-    def __call__(self, images: list[ImagePart]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (pixel_values [N_patches, C*T*P*P], image_grid_thw [len(images), 3]), as the processor
-        returns them for these images in one call."""
+    def __call__(self, images: list[ImagePart]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """-> (each image's patches [N_i, C*T*P*P], image_grid_thw [len(images), 3]); concatenated,
+        the patches are the pixel_values the processor returns for these images in one call."""
         found = {p.sha256: self.cache.get(p.sha256) for p in images}
         todo = list({p.sha256: p for p in images if found[p.sha256] is None}.values())
         if len(todo) == 1:
@@ -40,7 +43,7 @@ class ImageInputs:
         for p in todo:
             self.cache.put(p.sha256, found[p.sha256])
         parts = [found[p.sha256] for p in images]
-        return torch.cat([pixels for pixels, _ in parts]), torch.cat([grid for _, grid in parts])
+        return tuple(pixels for pixels, _ in parts), torch.cat([grid for _, grid in parts])
 
     def _process(self, image: ImagePart) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.processor(images=[image.image], return_tensors="pt")

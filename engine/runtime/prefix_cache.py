@@ -27,14 +27,12 @@ from .prompt import Prompt
 
 @dataclass(frozen=True)
 class ImageSpan:
-    """One image of a prompt: its LLM tokens [start, end) and its pixel rows [patch_start, patch_end)
-    in Prompt.pixel_values; `index` is its row in Prompt.image_grid_thw."""
+    """One image of a prompt: its LLM tokens [start, end); `index` is its place in
+    Prompt.image_pixels and its row in Prompt.image_grid_thw."""
 
     index: int
     start: int
     end: int
-    patch_start: int
-    patch_end: int
     sha256: str
 
 
@@ -44,15 +42,15 @@ def image_spans(prompt: Prompt, image_token_id: int | None, merge: int) -> list[
     if prompt.image_grid_thw is None or image_token_id is None:
         return []
     ids = prompt.input_ids
-    spans, cursor, patch = [], 0, 0
+    spans, cursor = [], 0
     for i, (t, h, w) in enumerate(prompt.image_grid_thw.tolist()):
         n = t * h * w // merge**2
         start = ids.index(image_token_id, cursor)
         if ids[start:start + n] != [image_token_id] * n:
             raise ValueError(f"image {i} should have {n} image tokens from token {start}")
         sha = prompt.image_hashes[i] if i < len(prompt.image_hashes) else f"unhashed-{i}"
-        spans.append(ImageSpan(i, start, start + n, patch, patch + t * h * w, sha))
-        cursor, patch = start + n, patch + t * h * w
+        spans.append(ImageSpan(i, start, start + n, sha))
+        cursor = start + n
     return spans
 
 

@@ -24,12 +24,20 @@ from .tool_calls import forced_call_prefix
 
 @dataclass
 class Prompt:
-    """input_ids [T]; pixel_values [N_patches, C*T*P*P] and image_grid_thw [n_images, 3] for GLM."""
+    """input_ids [T]; for GLM with images, image_pixels[i] [N_i, C*T*P*P], the patches of image i
+    (kept apart: they are the image cache's own tensors, so a turn's prompt copies none of them and
+    only the images still to encode are put together), and image_grid_thw [n_images, 3]."""
 
     input_ids: list[int]
-    pixel_values: torch.Tensor | None = None
+    image_pixels: tuple[torch.Tensor, ...] = ()
     image_grid_thw: torch.Tensor | None = None
     image_hashes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def pixel_values(self) -> torch.Tensor | None:
+        """Every image's patches in one tensor [sum N_i, C*T*P*P], as the processor returns them for
+        the images in one call; None without images."""
+        return torch.cat(self.image_pixels) if self.image_pixels else None
 
 
 def load_tokenizer(path: str | Path):
@@ -185,7 +193,7 @@ class ChatFormatter:
         ids = self.tokenizer(self.render(request), add_special_tokens=False)["input_ids"]
         if not images:
             return Prompt(ids)
-        pixel_values, grid = self.image_inputs(images)
+        pixels, grid = self.image_inputs(images)
         merge = self.spec.vision.spatial_merge_size
         image_id = self.spec.image_tokens.image
         if ids.count(image_id) != len(images):
@@ -195,4 +203,4 @@ class ChatFormatter:
         expanded: list[int] = []
         for t in ids:
             expanded.extend([image_id] * next(counts) if t == image_id else [t])
-        return Prompt(expanded, pixel_values, grid, tuple(p.sha256 for p in images))
+        return Prompt(expanded, pixels, grid, tuple(p.sha256 for p in images))

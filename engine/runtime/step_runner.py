@@ -66,7 +66,8 @@ class StepRunner:
             return
         t0 = time.perf_counter()
         p = seq.prompt
-        pixels = torch.cat([p.pixel_values[s.patch_start:s.patch_end] for s in todo])
+        parts = [p.image_pixels[s.index] for s in todo]
+        pixels = parts[0] if len(parts) == 1 else torch.cat(parts)
         grid = p.image_grid_thw[[s.index for s in todo]]
         seq.features = self.model.encode_images(pixels.to(self.device), grid.to(self.device))
         seq.feature_base, row = {}, 0

@@ -58,7 +58,7 @@ def test_block_keys_chain_over_the_prefix_and_images():
     assert len(set(keys)) == 3
     changed = BlockKeys(4, []).extend([99] + toks[1:], 3)
     assert all(k != c for k, c in zip(keys, changed))  # an early change changes every later key
-    img = lambda sha: [ImageSpan(0, 5, 7, 0, 4, sha)]  # noqa: E731
+    img = lambda sha: [ImageSpan(0, 5, 7, sha)]  # noqa: E731
     a, b = BlockKeys(4, img("aa")).extend(toks, 3), BlockKeys(4, img("bb")).extend(toks, 3)
     assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2]  # same ids, different picture
 
@@ -79,9 +79,8 @@ def test_image_spans_follow_the_grid():
     img, other = 7, 1
     grid = torch.tensor([[1, 4, 4], [1, 2, 4]])  # 4 and 2 LLM tokens with merge 2
     ids = [other, img, img, img, img, other, img, img, other]
-    spans = image_spans(Prompt(ids, torch.zeros(24, 3), grid, ("x", "y")), img, 2)
-    assert [(s.start, s.end, s.patch_start, s.patch_end, s.sha256) for s in spans] == [
-        (1, 5, 0, 16, "x"), (6, 8, 16, 24, "y")]
+    spans = image_spans(Prompt(ids, (torch.zeros(16, 3), torch.zeros(8, 3)), grid, ("x", "y")), img, 2)
+    assert [(s.index, s.start, s.end, s.sha256) for s in spans] == [(0, 1, 5, "x"), (1, 6, 8, "y")]
 
 
 def test_pool_size_from_free_gpu_memory(oss):

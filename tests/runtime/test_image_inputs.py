@@ -36,8 +36,20 @@ def test_patches_as_one_processor_call_gives_them_each_image_once(tmp_path):
     for images, processed in (([a, b, c], 3), ([a, b, a, d], 4), ([c, c, d], 4)):
         pixels, grid = inputs(images)
         want_pixels, want_grid = _batched(proc, images)
-        assert torch.equal(grid, want_grid) and torch.equal(pixels, want_pixels)
+        assert torch.equal(grid, want_grid) and torch.equal(torch.cat(pixels), want_pixels)
+        assert [len(p) for p in pixels] == grid.prod(-1).tolist()
         assert inputs.processor.images == processed  # the new images only, a repeated one once
+
+
+def test_a_later_turn_copies_no_kept_patches(tmp_path):
+    # each image's patches are handed on as the cache's own tensor: a chat's prompt, built again
+    # every turn with all of its images, puts none of them together
+    proc = _processor(tmp_path)
+    a, b = image(0), image(1, 84, 56)
+    inputs = ImageInputs(proc)
+    first, _ = inputs([a])
+    later, _ = inputs([a, b])
+    assert later[0] is first[0]
 
 
 def test_patches_kept_within_the_byte_budget(tmp_path):
