@@ -38,9 +38,12 @@ CASES = [  # name, kernel, types, constexprs, warps, stages, weight values per p
       for bn, bk, w in ((8, 256, 1), (16, 256, 1))] + [
     # tensor-core tiles (moe_mx_mma.py): per program and trip, one code decode for all BLOCK_M pairs
     (f"{kind} mma {bm}x{bn}x{bk} w{w}", fn, MMA,
-     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=3, **extra), w, 3, mats * bn * bk)
-    for kind, fn, mats, extra in (("gate/up", moe_gate_up_mma_kernel, 2, dict(ACT=1)), ("down", moe_down_mma_kernel, 1, {}))
-    for bm, bn, bk, w in ((8, 16, 128, 1), (8, 32, 128, 1), (8, 64, 128, 4), (16, 128, 128, 4))] + [
+     dict(HAS_BIAS=True, INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=3, ONE_DOT=bm >= 64, **extra), w, 3,
+     mats * bn * bk)
+    for kind, fn, mats, extra in (("gate/up", moe_gate_up_mma_kernel, 2, dict(ACT=1, OUT_CHUNK=128)),
+                                  ("down", moe_down_mma_kernel, 1, {}))
+    for bm, bn, bk, w in ((8, 16, 128, 1), (8, 32, 128, 1), (8, 64, 128, 4), (16, 128, 128, 4), (64, 64, 128, 4),
+                          (128, 64, 128, 4))] + [
     # TMA-fed packed-f16 kernels, one pair per program and two of one expert (moe_gemv_pairs.py;
     # its two-pair loop, values counted once per pair: per value and pair)
     (f"{kind} TMA n{bn} k512 w1, {pairs} pair{'s' if pairs > 1 else ''} a program", fn,
