@@ -40,6 +40,22 @@ def test_gpt_oss_mxfp4_mma(block_m, block_n, block_k, down_tile):
     _check_rows(out, fused_moe_ref(x, experts, w, ids))
 
 
+def test_mma_pads_whatever_its_buffers_held(monkeypatch):
+    # I=160 on down's K steps of 64 pads the gate/up output to 192 columns: the pad meets zero
+    # weights, so it must hold zeros, not what the allocator left (here NaN)
+    experts, x, w, ids = _case(5, 6, 2, 96, 160)
+    cfg = MoeConfig(4, 32, 64, 1, 1, mx_mma=True)
+    clean = fused_moe(x, experts, w, ids, config=cfg)
+    empty = torch.empty
+
+    def poisoned(*size, **kw):
+        t = empty(*size, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    assert torch.equal(fused_moe(x, experts, w, ids, config=cfg), clean)
+
+
 def test_mma_takes_rows_of_a_wider_buffer():
     # x as a view of every other column block of a wider tensor: rows are not contiguous
     experts, x, w, ids = _case(3, 4, 2, 64, 64, drop=False)
