@@ -1,12 +1,13 @@
 """The MoE at prefill sizes, random weights: GLM-4.5V's FP8 experts (E=128, k=8, H=4096, I=1408;
-channel or block scales) and gpt-oss-120b's MXFP4 ones (E=128, k=4, H=I=2880). The default
+channel or block scales) and gpt-oss-120b's MXFP4 ones (E=128, k=4, H=I=2880; mxfp4_20b: gpt-oss-20b's
+32 experts). The default
 configuration against other tiles: for FP8 the tensor-core tiles on e4m3 activations
 (MoeConfig.fp8_act), for MXFP4 the tensor-core tiles that decode each expert once (mx_mma). Per
 token count: time per fused_moe call (median of 10 after two warm-ups, one routing per case),
 TFLOP/s of its matmuls and GB/s over the distinct experts' bytes; with --kernels, the default's
 kernels one by one (torch profiler). The first FP8 tile on e4m3 activations is checked against
-the reference at each size, every MXFP4 tile against the default. mxfp4_20b: gpt-oss-20b's 32 experts.
-    python bench/bench_moe_prefill.py [--ts 64,256,1024,4096] [--only fp8_channel,fp8_block,mxfp4]
+the reference at each size, every MXFP4 tile against the default.
+    python bench/bench_moe_prefill.py [--ts 64,256,1024,4096] [--only fp8_channel,fp8_block,mxfp4,mxfp4_20b]
         [--tiles 64:128:128:8:3,...] [--mma-tiles 32:64:128:4:3,...] [--kernels]
     (tiles block_m:block_n:block_k:num_warps:num_stages; MXFP4 tiles may add
     /block_n:block_k:num_warps:num_stages of the down kernel)
@@ -57,7 +58,7 @@ def main() -> None:
     p.add_argument("--ts", default="64,256,1024,4096")
     p.add_argument("--only", default="fp8_channel,fp8_block")
     p.add_argument("--tiles", default="64:128:128:8:3,64:128:128:4:4,128:128:128:8:3,64:256:128:8:3,32:128:128:4:4")
-    p.add_argument("--mma-tiles", default="32:64:128:4:3,64:128:128:4:3,64:128:128:8:3,128:128:128:8:3")
+    p.add_argument("--mma-tiles", default="64:64:128:4:3,128:64:128:4:3,32:64:128:4:3,64:128:128:8:3")
     p.add_argument("--kernels", action="store_true", help="also list the default's kernels with their times")
     args = p.parse_args()
     fp8_tiles = [MoeConfig(*(int(v) for v in s.split(":")), fp8_act=True) for s in args.tiles.split(",") if s]
