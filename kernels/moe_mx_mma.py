@@ -81,10 +81,15 @@ def chunk_major(x: torch.Tensor, chunk: int) -> torch.Tensor:
 
 
 @triton.jit
+def _quarter_pos(k, size: tl.constexpr):
+    """quarter_order for tensors of indices."""
+    return (k % 4) * (size // 4) + 8 * (k // 32) + 2 * ((k // 8) % 4) + (k // 4) % 2
+
+
+@triton.jit
 def _chunk_pos(k, CHUNK: tl.constexpr):
     """chunk_order for tensors of indices."""
-    c = k % CHUNK
-    return (k // CHUNK) * CHUNK + (c % 4) * (CHUNK // 4) + 8 * (c // 32) + 2 * ((c // 8) % 4) + (c // 4) % 2
+    return (k // CHUNK) * CHUNK + _quarter_pos(k % CHUNK, CHUNK)
 
 
 @triton.jit

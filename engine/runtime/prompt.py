@@ -58,6 +58,11 @@ def load_image_processor(path: str | Path):
         logging.getLogger("transformers").setLevel(quiet)
 
 
+def _images(request: ChatRequest) -> list[ImagePart]:
+    """The request's images in the order the chat template places them."""
+    return [p for m in request.messages for p in m.content if isinstance(p, ImagePart)]
+
+
 def _defuse(text: str, specials: tuple[str, ...]) -> str:
     """Text from a person (or an earlier answer) that spells a special token, e.g. "<|image|>",
     must stay text: a zero-width space after its first character stops the tokenizer matching it."""
@@ -182,12 +187,12 @@ class ChatFormatter:
     def prepare_images(self, request: ChatRequest) -> None:
         """Runs the image processor on the request's images not yet seen, so that build (which the
         engine calls under its tokenizer lock) finds their patches kept."""
-        images = [p for m in request.messages for p in m.content if isinstance(p, ImagePart)]
+        images = _images(request)
         if images and self.image_inputs is not None:
             self.image_inputs(images)
 
     def build(self, request: ChatRequest) -> Prompt:
-        images = [p for m in request.messages for p in m.content if isinstance(p, ImagePart)]
+        images = _images(request)
         if images and self.image_processor is None:
             raise ValueError(f"{self.spec.family} does not read images; send text only or use a GLM-4.5V model")
         ids = self.tokenizer(self.render(request), add_special_tokens=False)["input_ids"]

@@ -443,7 +443,6 @@ def _prefill_tiles(arch: GpuArch):
     return cases
 
 
-
 def check_target(arch: GpuArch, label: str = "") -> int:
     """Compiles every case the launchers send to a GPU of `arch`; -> the number that failed."""
     target = GPUTarget("cuda", arch.capability[0] * 10 + arch.capability[1], 32)
@@ -485,7 +484,6 @@ def main() -> int:
         major, minor = arch.capability
         failed += check_target(arch, f"sm_{major}{minor}: ")
     return 1 if failed else 0
-
 
 
 if __name__ == "__main__":
