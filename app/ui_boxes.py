@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from PIL import Image, ImageDraw, ImageFont
 
 from localchat.engine.runtime.reasoning import Box, parse_boxes
+from localchat.engine.runtime.request import upright_rgb
 
 if TYPE_CHECKING:  # history.py's exports use label_answer: no import cycle at run time
     from localchat.app.history import History
@@ -140,7 +141,7 @@ class BoxedImages:
         try:
             with Image.open(history.image_path(sha)) as src:
                 fmt = src.format
-                img = draw_boxes(src, boxes)
+                img = draw_boxes(upright_rgb(src), boxes)  # boxes lie on the upright image the model saw
         except (KeyError, OSError):  # image file deleted or unreadable: show the labels only
             return None
         buf = io.BytesIO()

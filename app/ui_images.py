@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from PIL import Image, UnidentifiedImageError
 
 from localchat.engine.runtime.bounded_cache import BoundedCache
-from localchat.engine.runtime.request import ImagePart
+from localchat.engine.runtime.request import ImagePart, upright_rgb
 
 _KEPT_FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
 
@@ -98,7 +98,8 @@ def _prepare(data: bytes, name: str, limits: ImageLimits):
     except (OSError, Image.DecompressionBombError) as e:
         raise ImageRejected(f"{name} could not be decoded ({e}); re-save it as PNG or JPEG.")
     fmt = img.format
-    rgb = img.convert("RGB")
+    rgb = upright_rgb(img)
+    w, h = rgb.size  # turned by its EXIF orientation
     resized = None
     if w * h > limits.target_pixels:
         scale = math.sqrt(limits.target_pixels / (w * h))

@@ -9,7 +9,7 @@ import io
 from dataclasses import dataclass, field
 from typing import Iterator, Literal, Protocol, Union
 
-from PIL import Image
+from PIL import Image, ImageOps
 
 from ..spec import SamplingDefaults
 from .json_schema import JsonSchema
@@ -18,6 +18,17 @@ from .json_schema import JsonSchema
 @dataclass(frozen=True)
 class TextPart:
     text: str
+
+
+def upright_rgb(img: Image.Image) -> Image.Image:
+    """A decoded image as the user saw it, in RGB: turned as its EXIF orientation says (phone
+    cameras store the sensor's rows and a tag; browsers apply it, Pillow does not), and anything
+    transparent laid over white (dropping the alpha channel would show the colour stored under
+    transparent pixels, usually black: black text on a transparent PNG would vanish)."""
+    img = ImageOps.exif_transpose(img)
+    if "A" in img.getbands() or "transparency" in img.info:
+        img = Image.alpha_composite(Image.new("RGBA", img.size, (255, 255, 255, 255)), img.convert("RGBA"))
+    return img.convert("RGB")
 
 
 @dataclass(frozen=True)
@@ -31,7 +42,7 @@ class ImagePart:
     def from_bytes(cls, data: bytes) -> "ImagePart":
         img = Image.open(io.BytesIO(data))
         img.load()
-        return cls(img.convert("RGB"), hashlib.sha256(data).hexdigest())
+        return cls(upright_rgb(img), hashlib.sha256(data).hexdigest())
 
     @classmethod
     def from_path(cls, path: str) -> "ImagePart":

@@ -105,3 +105,26 @@ def test_render_without_boxes_or_images_adds_nothing(history):
     msgs, _ = _conversation(history, [], f"{B}[[1,2,3,4]]{E}")
     chat, _ = render(msgs, history)
     assert _file_messages(chat) == [] and any(m["content"] == "[box 1]" for m in chat)
+
+
+def test_boxes_are_drawn_on_the_photo_turned_upright(history):
+    """Box coordinates refer to the image the model saw, which a JPEG's EXIF orientation turned."""
+    import io
+
+    import numpy as np
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 600x400, shown (and seen by the model) 400x600
+    buf = io.BytesIO()
+    Image.fromarray(np.full((400, 600, 3), 128, dtype=np.uint8)).save(buf, "JPEG", quality=95, exif=exif)
+    cid = history.create()
+    sha = history.put_image(buf.getvalue())
+    history.add_message(cid, "user", "where is it?", images=[sha])
+    history.add_message(cid, "assistant", f"{B}[[0,0,1000,500]]{E}", stats={"finish_reason": "stop"})
+    chat, _ = render(history.get(cid).messages, history)
+    (boxed,) = _file_messages(chat)
+    drawn = Image.open(boxed["content"][0]["path"]).convert("RGB")
+    assert drawn.size == (400, 600)
+    r, g, _ = drawn.getpixel((200, 299))  # the box's bottom edge, at half the upright height
+    assert r - g > 100
+    r, g, _ = drawn.getpixel((200, 450))  # below the box
+    assert abs(r - g) < 20

@@ -41,3 +41,55 @@ def test_prepared_images_kept_within_their_budget(monkeypatch):
     prepare_image(a, "a")
     prepare_image(b, "b")  # a goes out
     assert [k[0] for k in kept.kept] == [hashlib.sha256(b).digest()] and kept.used == sizes[1]
+
+
+def _rotated_jpeg() -> bytes:
+    """A 40x20 JPEG, left half red and right half blue, whose EXIF orientation (6) says to turn it a
+    quarter clockwise to display it: upright it is 20x40, red on top."""
+    px = np.zeros((20, 40, 3), dtype=np.uint8)
+    px[:, :20] = (255, 0, 0)
+    px[:, 20:] = (0, 0, 255)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation
+    buf = io.BytesIO()
+    Image.fromarray(px).save(buf, "JPEG", quality=95, exif=exif)
+    return buf.getvalue()
+
+
+def _near(pixel, colour) -> bool:
+    return max(abs(a - b) for a, b in zip(pixel, colour)) < 40
+
+
+def test_a_phone_photo_is_turned_upright_as_its_exif_orientation_says():
+    from localchat.engine.runtime.request import ImagePart
+    data = _rotated_jpeg()
+    part = prepare_image(data, "phone.jpg").part
+    assert part.image.size == (20, 40)
+    assert _near(part.image.getpixel((10, 5)), (255, 0, 0)) and _near(part.image.getpixel((10, 35)), (0, 0, 255))
+    # a chat read back from history decodes the stored bytes the same way
+    again = ImagePart.from_bytes(prepare_image(data, "phone.jpg").data)
+    assert np.array_equal(np.asarray(again.image), np.asarray(part.image))
+    # downscaled, it is stored upright (the re-encoded file carries no orientation)
+    small = prepare_image(data, "phone.jpg", ImageLimits(target_pixels=10 * 20))
+    assert small.part.image.size == (10, 20) and Image.open(io.BytesIO(small.data)).size == (10, 20)
+    assert _near(ImagePart.from_bytes(small.data).image.getpixel((5, 2)), (255, 0, 0))
+
+
+def test_transparent_pixels_are_shown_over_white_not_the_colour_stored_under_them():
+    # black text on a transparent background: the transparent pixels store black too
+    rgba = np.zeros((16, 16, 4), dtype=np.uint8)
+    rgba[4:12, 4:12, 3] = 255  # an opaque black square
+    rgba[0:2, :, :] = (255, 0, 0, 128)  # a half-transparent red band
+    buf = io.BytesIO()
+    Image.fromarray(rgba, "RGBA").save(buf, "PNG")
+    img = prepare_image(buf.getvalue(), "logo.png").part.image
+    assert img.mode == "RGB"
+    assert img.getpixel((0, 8)) == (255, 255, 255) and img.getpixel((8, 8)) == (0, 0, 0)
+    assert img.getpixel((8, 0)) == (255, 127, 127)
+    # a palette PNG with a transparent index, likewise
+    pal = Image.fromarray(np.where(rgba[..., 3] == 255, 1, 0).astype(np.uint8), "P")
+    pal.putpalette([0, 0, 0, 0, 0, 0])
+    buf = io.BytesIO()
+    pal.save(buf, "PNG", transparency=0)
+    img = prepare_image(buf.getvalue(), "icon.png").part.image
+    assert img.getpixel((0, 8)) == (255, 255, 255) and img.getpixel((8, 8)) == (0, 0, 0)
