@@ -1,5 +1,5 @@
-"""Prompts for the benchmark: random token ids of a fixed length, and real images through the
-GLM-4.5V image processor, built without a downloaded tokenizer.
+"""Prompts for the benchmark: random token ids of a fixed length, and real images read as GLM-4.5V's
+image processor reads them (engine/runtime/image_patches.py), built without a downloaded tokenizer.
 
 It stands in for the engine's ChatFormatter (`build(request) -> Prompt`, `answer_prefix`, `thinks`
 and `.tokenizer`): the tokenizer is a word-level one with one word per id of the model's full
@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import random
 
+import torch
+
+from ..engine.runtime.image_patches import PatchRecipe
 from ..engine.runtime.prompt import Prompt
 from ..engine.runtime.request import ChatRequest, ImagePart, TextPart
 from ..engine.spec import ModelSpec
@@ -46,11 +49,7 @@ class SyntheticPrompts:
         self.prompt_len = prompt_len
         self.tokenizer = word_tokenizer(spec.vocab_size)
         self.random = random.Random(seed)
-        self.image_processor = None
-        if spec.vision is not None:
-            from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
-
-            self.image_processor = Glm4vImageProcessorPil(**GLM_IMAGE_PROCESSOR)
+        self.image_recipe = PatchRecipe.from_config(GLM_IMAGE_PROCESSOR) if spec.vision is not None else None
 
     def _ids(self, n: int) -> list[int]:
         return [self.random.randrange(*ORDINARY_IDS) for _ in range(n)]
@@ -74,11 +73,10 @@ class SyntheticPrompts:
                 text_len = int(p.text.split(":", 1)[1])
         if not images:
             return Prompt(self._ids(text_len))
-        pixels = self.image_processor(images=[p.image for p in images], return_tensors="pt")
-        grid = pixels["image_grid_thw"]
+        per_image = tuple(self.image_recipe.resize(p.image) for p in images)
+        grid = torch.cat([self.image_recipe.grid(pixels) for pixels in per_image])
         tokens = self.spec.image_tokens
         ids: list[int] = []
         for n in (grid.prod(-1) // self.spec.vision.spatial_merge_size ** 2).tolist():
             ids += [tokens.image_start] + [tokens.image] * n + [tokens.image_end]
-        per_image = tuple(pixels["pixel_values"].split(grid.prod(-1).tolist()))
-        return Prompt(ids + self._ids(text_len), per_image, grid, tuple(p.sha256 for p in images))
+        return Prompt(ids + self._ids(text_len), per_image, grid, tuple(p.sha256 for p in images), self.image_recipe)

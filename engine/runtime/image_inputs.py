@@ -1,15 +1,12 @@
-"""Images -> the vision tower's inputs through the checkpoint's image processor, each image once.
+"""Images -> the vision tower's inputs, each image resized once.
 
-A chat's prompt is built again every turn with all of its images, and the processor (transformers'
-PIL backend: a bicubic resize, rescale, normalise and patch layout in numpy) takes ~40 ms for a
-1024x768 photo and ~115 ms for 2.7 MP on a 2-core machine (BENCHMARKS.md, "Image encoding"). So
-each image's patches are kept, by the sha256 of its bytes, up to a byte budget (least recently used
-first out), and images not yet seen are processed side by side on threads (the resize and the
-numpy passes release the GIL). The processor works on each image alone, so one image's patches do
-not depend on the others in the call; they are handed on one tensor an image (the cache's own), and
-only the images the vision tower still has to encode are ever put together (step_runner.py): a
-prompt is built again every turn with all of its images, and concatenating five photos' patches
-took ~27 ms of each turn.
+A chat's prompt is built again every turn with all of its images. Each image is resized as the
+checkpoint's processor does (image_patches.py: Pillow's bicubic, 12 ms for a 1024x768 photo on a
+2-core machine) and kept, by the sha256 of its bytes, as its resized pixels ([3, H, W] uint8, 2.3 MB
+for that photo) up to a byte budget (least recently used first out); images not yet seen are
+resized side by side on threads (Pillow releases the GIL). The patches themselves are made where
+the vision tower runs, from the images it still has to encode (step_runner.py). Each image is
+handed on as the cache's own tensor: a turn's prompt copies none of them.
 """
 from __future__ import annotations
 
@@ -18,33 +15,34 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .bounded_cache import BoundedCache
+from .image_patches import PatchRecipe
 from .request import ImagePart
 
-CACHE_BYTES = 256 << 20  # ~13 photos of 1024x768 (18.8 MB of float32 patches each)
+CACHE_BYTES = 256 << 20  # ~100 photos of 1024x768 (2.3 MB of resized pixels each)
 MAX_THREADS = 8
 
 
 class ImageInputs:
-    def __init__(self, processor, cache_bytes: int = CACHE_BYTES):
-        self.processor = processor
-        self.cache = BoundedCache(cache_bytes, lambda patches: patches[0].numel() * patches[0].element_size())
+    def __init__(self, recipe: PatchRecipe, cache_bytes: int = CACHE_BYTES):
+        self.recipe = recipe
+        self.cache = BoundedCache(cache_bytes, lambda kept: kept[0].numel())
 
     def __call__(self, images: list[ImagePart]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """-> (each image's patches [N_i, C*T*P*P], image_grid_thw [len(images), 3]); concatenated,
-        the patches are the pixel_values the processor returns for these images in one call."""
+        """-> (each image resized, [3, H_i, W_i] uint8; image_grid_thw [len(images), 3]): the
+        recipe's patches of the images are the pixel_values the processor returns for them."""
         found = {p.sha256: self.cache.get(p.sha256) for p in images}
         todo = list({p.sha256: p for p in images if found[p.sha256] is None}.values())
         if len(todo) == 1:
-            found[todo[0].sha256] = self._process(todo[0])
+            found[todo[0].sha256] = self._resize(todo[0])
         elif todo:
             with ThreadPoolExecutor(min(len(todo), MAX_THREADS)) as pool:
-                for p, out in zip(todo, pool.map(self._process, todo)):
+                for p, out in zip(todo, pool.map(self._resize, todo)):
                     found[p.sha256] = out
         for p in todo:
             self.cache.put(p.sha256, found[p.sha256])
         parts = [found[p.sha256] for p in images]
         return tuple(pixels for pixels, _ in parts), torch.cat([grid for _, grid in parts])
 
-    def _process(self, image: ImagePart) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.processor(images=[image.image], return_tensors="pt")
-        return out["pixel_values"], out["image_grid_thw"]
+    def _resize(self, image: ImagePart) -> tuple[torch.Tensor, torch.Tensor]:
+        pixels = self.recipe.resize(image.image)
+        return pixels, self.recipe.grid(pixels)

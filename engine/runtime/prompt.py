@@ -1,5 +1,6 @@
 """Chat messages -> prompt token ids (and pixels), with the checkpoint's own tokenizer, chat
-template and image processor through transformers.
+template and image processor settings through transformers (image_patches.py computes what the
+image processor computes).
 
 The template renders each image as one `<|image|>` placeholder; it is expanded here to the
 number of LLM tokens the image processor's grid gives (t * h * w / merge^2), exactly as the
@@ -18,26 +19,29 @@ import torch
 from ..spec import ModelSpec
 from .constrained import json_answer_prefix
 from .image_inputs import ImageInputs
+from .image_patches import PatchRecipe
 from .request import ChatRequest, ImagePart, Message, TextPart, ToolCall
 from .tool_calls import forced_call_prefix
 
 
 @dataclass
 class Prompt:
-    """input_ids [T]; for GLM with images, image_pixels[i] [N_i, C*T*P*P], the patches of image i
-    (kept apart: they are the image cache's own tensors, so a turn's prompt copies none of them and
-    only the images still to encode are put together), and image_grid_thw [n_images, 3]."""
+    """input_ids [T]; for GLM with images, image_pixels[i] [3, H_i, W_i] uint8, image i resized as
+    the processor does (the image cache's own tensors, so a turn's prompt copies none of them; the
+    step runner makes patches of only the images still to encode), image_grid_thw [n_images, 3]
+    and image_recipe, which makes the patches."""
 
     input_ids: list[int]
     image_pixels: tuple[torch.Tensor, ...] = ()
     image_grid_thw: torch.Tensor | None = None
     image_hashes: tuple[str, ...] = field(default_factory=tuple)
+    image_recipe: PatchRecipe | None = None
 
     @property
     def pixel_values(self) -> torch.Tensor | None:
-        """Every image's patches in one tensor [sum N_i, C*T*P*P], as the processor returns them for
-        the images in one call; None without images."""
-        return torch.cat(self.image_pixels) if self.image_pixels else None
+        """Every image's patches in one tensor [sum N_i, C*T*P*P] float32 on the CPU, as the processor
+        returns them for the images in one call; None without images."""
+        return self.image_recipe.patches(self.image_pixels) if self.image_pixels else None
 
 
 def load_tokenizer(path: str | Path):
@@ -156,7 +160,8 @@ class ChatFormatter:
             raise ValueError(f"{path} has no chat template (tokenizer_config.json or chat_template.jinja); "
                              "the checkpoint is incomplete: download it again")
         self.image_processor = load_image_processor(path) if spec.vision is not None else None
-        self.image_inputs = ImageInputs(self.image_processor) if self.image_processor is not None else None
+        self.image_inputs = (ImageInputs(PatchRecipe.from_processor(self.image_processor))
+                             if self.image_processor is not None else None)
         added = [t.content for t in self.tokenizer.added_tokens_decoder.values()]
         self.special_texts = tuple(sorted({t for t in added if len(t) > 1}, key=len, reverse=True))
 
@@ -208,4 +213,4 @@ class ChatFormatter:
         expanded: list[int] = []
         for t in ids:
             expanded.extend([image_id] * next(counts) if t == image_id else [t])
-        return Prompt(expanded, pixels, grid, tuple(p.sha256 for p in images))
+        return Prompt(expanded, pixels, grid, tuple(p.sha256 for p in images), self.image_inputs.recipe)

@@ -66,10 +66,9 @@ class StepRunner:
             return
         t0 = time.perf_counter()
         p = seq.prompt
-        parts = [p.image_pixels[s.index] for s in todo]
-        pixels = parts[0] if len(parts) == 1 else torch.cat(parts)
+        pixels = p.image_recipe.patches([p.image_pixels[s.index] for s in todo], self.device)
         grid = p.image_grid_thw[[s.index for s in todo]]
-        seq.features = self.model.encode_images(pixels.to(self.device), grid.to(self.device))
+        seq.features = self.model.encode_images(pixels, grid.to(self.device))
         seq.feature_base, row = {}, 0
         for s in todo:
             seq.feature_base[s.index] = row

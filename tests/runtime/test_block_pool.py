@@ -79,7 +79,8 @@ def test_image_spans_follow_the_grid():
     img, other = 7, 1
     grid = torch.tensor([[1, 4, 4], [1, 2, 4]])  # 4 and 2 LLM tokens with merge 2
     ids = [other, img, img, img, img, other, img, img, other]
-    spans = image_spans(Prompt(ids, (torch.zeros(16, 3), torch.zeros(8, 3)), grid, ("x", "y")), img, 2)
+    pixels = (torch.zeros(3, 56, 56, dtype=torch.uint8), torch.zeros(3, 28, 56, dtype=torch.uint8))
+    spans = image_spans(Prompt(ids, pixels, grid, ("x", "y")), img, 2)
     assert [(s.index, s.start, s.end, s.sha256) for s in spans] == [(0, 1, 5, "x"), (1, 6, 8, "y")]
 
 

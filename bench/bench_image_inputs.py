@@ -1,0 +1,69 @@
+"""A new image's way to the vision tower's input, on the host and (with a GPU) the device: the
+checkpoint's image processor (transformers, PIL backend) against image_patches.py (Pillow's resize
+on the host, the patches made on the device). Random photo-like images, GLM-4.5V's processor
+settings; median wall time of --reps calls after one warm-up; also checks the two agree bit for bit.
+
+    python bench/bench_image_inputs.py [--sizes 1024x768,1960x1400,448x336] [--reps 9]
+"""
+import argparse
+import io
+import statistics
+import time
+
+import numpy as np
+import torch
+from PIL import Image
+
+from localchat.app.bench_prompts import GLM_IMAGE_PROCESSOR
+from localchat.engine.runtime.image_patches import PatchRecipe
+
+
+def timed(fn, reps: int) -> tuple[float, object]:
+    out = fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times), out
+
+
+def photo(width: int, height: int) -> Image.Image:
+    """Gradients and noise, saved and read back as a JPEG, as an upload arrives."""
+    rng = np.random.default_rng(width * height)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 / width, y * 255 / height, (x + y) % 256], -1) + rng.normal(0, 30, (height, width, 3))
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(base, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
+    return Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+
+
+def main():
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes", default="1024x768,1960x1400,448x336")
+    p.add_argument("--reps", type=int, default=9)
+    args = p.parse_args()
+    processor = Glm4vImageProcessorPil(**GLM_IMAGE_PROCESSOR)
+    recipe = PatchRecipe.from_config(GLM_IMAGE_PROCESSOR)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, patches on {device}")
+    print("| image | processor (host) | resize (host) | patches (on the device) | kept: processor / resized | equal |")
+    print("|---|---|---|---|---|---|")
+    for size in args.sizes.split(","):
+        w, h = map(int, size.split("x"))
+        img = photo(w, h)
+        t_proc, out = timed(lambda: processor(images=[img], return_tensors="pt"), args.reps)
+        t_resize, pixels = timed(lambda: recipe.resize(img), args.reps)
+        t_patch, patches = timed(lambda: recipe.patches([pixels], device), args.reps)
+        equal = torch.equal(patches.cpu(), out["pixel_values"])
+        kept = out["pixel_values"].numel() * 4 / 2**20, pixels.numel() / 2**20
+        print(f"| {w}x{h} ({len(patches)} patches) | {t_proc:.1f} ms | {t_resize:.1f} ms | {t_patch:.2f} ms | "
+              f"{kept[0]:.1f} / {kept[1]:.1f} MB | {equal} |")
+
+
+if __name__ == "__main__":
+    main()
