@@ -93,3 +93,21 @@ def test_transparent_pixels_are_shown_over_white_not_the_colour_stored_under_the
     pal.save(buf, "PNG", transparency=0)
     img = prepare_image(buf.getvalue(), "icon.png").part.image
     assert img.getpixel((0, 8)) == (255, 255, 255) and img.getpixel((8, 8)) == (0, 0, 0)
+
+
+def test_a_large_jpeg_decoded_at_a_reduced_size_looks_like_the_full_decode_downscaled(monkeypatch):
+    # the decoder's own 1/2..1/8 scaling stands in for decoding every pixel before the downscale
+    from PIL.JpegImagePlugin import JpegImageFile
+    drafts = []
+    real_draft = JpegImageFile.draft
+    monkeypatch.setattr(JpegImageFile, "draft", lambda self, mode, size: drafts.append(size) or real_draft(self, mode, size))
+    y, x = np.mgrid[0:600, 0:800]
+    px = np.stack([x * 255 / 800, y * 255 / 600, 128 + 100 * np.sin(x / 9.0) * np.cos(y / 7.0)], -1)
+    buf = io.BytesIO()
+    Image.fromarray(px.astype(np.uint8)).save(buf, "JPEG", quality=95)
+    limits = ImageLimits(target_pixels=300 * 225)
+    got = prepare_image(buf.getvalue(), "photo.jpg", limits)
+    assert drafts == [(300, 225)] and got.part.image.size == (300, 225)
+    full = Image.open(io.BytesIO(buf.getvalue())).convert("RGB").resize((300, 225), Image.Resampling.LANCZOS)
+    diff = np.asarray(full, np.float64) - np.asarray(got.part.image, np.float64)
+    assert 10 * np.log10(255**2 / np.mean(diff**2)) > 35  # dB
