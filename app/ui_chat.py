@@ -17,6 +17,7 @@ import gradio as gr
 
 from localchat.app.history import DONE, ERROR, PARTIAL, STOPPED, ChatSettings, History, StoredMessage
 from localchat.app.history_import import ImportRejected, import_conversation
+from localchat.app.ui_frames import frames
 from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_image
 from localchat.app.ui_render import answer_stats, render
 from localchat.engine.runtime.request import (
@@ -179,17 +180,20 @@ class ChatController:
         think_start = think_end = None
         last_ckpt = time.monotonic()
         try:
-            for item in stream:
-                if isinstance(item, Final):
-                    final = item
-                    break
+            for batch in frames(stream):
                 now = time.monotonic()
-                if item.reasoning:
-                    think_start = think_start or now
-                    reasoning.append(item.reasoning)
-                if item.text:
-                    think_end = think_end or (now if think_start else None)
-                    text.append(item.text)
+                for item in batch:
+                    if isinstance(item, Final):
+                        final = item
+                        break
+                    if item.reasoning:
+                        think_start = think_start or now
+                        reasoning.append(item.reasoning)
+                    if item.text:
+                        think_end = think_end or (now if think_start else None)
+                        text.append(item.text)
+                if final is not None:
+                    break
                 if now - last_ckpt >= CHECKPOINT_S:
                     self.history.checkpoint(mid, "".join(text), "".join(reasoning))
                     last_ckpt = now

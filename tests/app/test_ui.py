@@ -42,11 +42,12 @@ def live(history):
 
 def test_send_text_and_two_images_streams_answer(live, images):
     engine, history, client, _ = live
+    engine.delay = 0.025  # the answer spans several of the page's update frames (ui_frames.py)
     chat, _, conv_list = client.predict({"text": "what is this?", "files": [handle_file(p) for p in images]},
                                         api_name="/send")
     assert [c["type"] for c in chat[0]["content"]] == ["file", "file", "text"]
     outs = _wait(client.submit(api_name="/generate"))
-    assert len(outs) > 5, "the answer should arrive in many streamed updates"
+    assert len(outs) > 4, "the answer should arrive in several streamed updates"
     lengths = [len(_text(o[-1])) for o in outs[:-1] if o[-1]["role"] == "assistant"]
     assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
     final = outs[-1]
@@ -62,6 +63,17 @@ def test_send_text_and_two_images_streams_answer(live, images):
     conv = history.get(cid)
     assert [m.role for m in conv.messages] == ["user", "assistant"] and len(conv.messages[0].images) == 2
     assert conv.messages[1].reasoning.strip() == "Let me look." and conv.messages[1].status == "done"
+
+
+def test_a_fast_answer_reaches_the_page_in_frames_not_one_update_a_token(live):
+    engine, history, client, _ = live
+    engine.delay, engine.filler_words = 0.0005, 600  # ~2000 tokens a second
+    client.predict({"text": "go", "files": []}, api_name="/send")
+    outs = _wait(client.submit(api_name="/generate"))
+    assert len(outs) < 60, f"{len(outs)} updates for 600 tokens"
+    assert any(" w599" in _text(m) for m in outs[-1])
+    answer = history.get(history.list()[0][0]).messages[-1]
+    assert answer.text.count(" w") == 600 and answer.status == "done"
 
 
 def test_stop_mid_answer_closes_engine_stream(live):
