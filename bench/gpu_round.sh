@@ -17,7 +17,9 @@
 # a new image's preprocessing (host and device), the vision tower at three image sizes, and the
 # kernels of a 2048-token prefill of GLM-4.5V-FP8 and gpt-oss-120b), prefill-mxfp4 (gpt-oss-120b's MXFP4 MoE at 256-4096 tokens over tensor-core
 # tiles, its kernels one by one, Nsight Compute's view of them at 1024 tokens, and the kernels of
-# a 2048-token gpt-oss-120b prefill).
+# a 2048-token gpt-oss-120b prefill), fp8-accumulate (GLM-4.5V's FP8 experts at prefill sizes with
+# their FP8 dots summing the K loop in place: GPU tests, then against before_kernels/moe_gemm.py,
+# the file from before, with bench/ab_kernels.sh: the MoE alone and a 2048-token prefill).
 # Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
@@ -78,4 +80,7 @@ step prefill-mxfp4 && timeout "${PREFILL_MX_S:-240}" python3 bench/bench_moe_pre
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 step prefill-mxfp4 && [ -n "$NCU" ] && timeout "${PREFILL_NCU_S:-150}" "$NCU" --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python3 bench/ncu_moe_step.py mxfp4 ${PREFILL_NCU_T:-1024} ${PREFILL_NCU_TILE:-} > "$OUT/prefill_mxfp4_ncu.log" 2>&1; tail -5 "$OUT/prefill_mxfp4_ncu.log" 2>/dev/null
 step prefill-mxfp4 && timeout "${PREFILL_PROFILE_S:-150}" python3 bench/profile_step.py gpt-oss-120b --layers 4 --prefill 2048 2>&1 | tee "$OUT/prefill_profile_oss.log" | grep -v Warn
+step fp8-accumulate && timeout "${FP8_ACC_TESTS_S:-150}" python3 -m pytest -m gpu tests/kernels/test_moe.py tests/kernels/test_moe_defaults.py -q -s -p no:cacheprovider -k "glm45v or defaults" 2>&1 | tee "$OUT/fp8_accumulate_gpu.log" | tail -12
+step fp8-accumulate && [ -d before_kernels ] && BEFORE_DIR=before_kernels timeout "${FP8_ACC_S:-240}" bash bench/ab_kernels.sh python3 bench/bench_moe_prefill.py --only fp8_channel,fp8_block --ts 1024,4096,256 --tiles 64:128:128:8:3 2>&1 | tee "$OUT/fp8_accumulate.log"
+step fp8-accumulate && [ -d before_kernels ] && BEFORE_DIR=before_kernels timeout "${FP8_ACC_TTFT_S:-240}" bash bench/ab_kernels.sh python3 bench/bench_decode.py glm-4.5v-fp8 --dummy --batch 1 --prompt-len 2048 --gen-len 8 --image none 2>&1 | tee "$OUT/fp8_accumulate_ttft.log" | grep -E "TTFT|ttft|batch"
 exit 0

@@ -14,6 +14,10 @@ BLOCK_N weight rows. Weights are read in their checkpoint format and dequantised
 
 Activations are bf16 / fp16 / fp32, or (X_SCALED, FP8 weights) e4m3 rows with a float32 scale each,
 so the dot is FP8 x FP8 on the tensor cores and the row scales are applied once after the K loop.
+With channel (or tensor) weight scales those dots sum the whole K loop in the tensor cores' own
+FP8 accumulation, as vLLM's Triton fused MoE does for such weights
+(vllm/model_executor/layers/fused_moe/fused_moe.py), so the compiler keeps each step's wgmma in
+flight; block scales multiply each step's dot before it is added, one wait a step.
 
 Kernel 1 computes both gate and up tiles for the same pairs and applies the GLU activation;
 kernel 2 applies the down projection, the down bias and the routing weight of each pair.
@@ -98,17 +102,18 @@ def _weight_dot(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, x_rows, x_valid, 
         w = tl.load(w_base + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         xt = tl.load(x_ptr + x_rows[None, :] * stride_xt + kk[:, None],
                      mask=x_valid[None, :] & k_mask[:, None], other=0.0)
-        if X_SCALED:
-            part = tl.dot(w, xt)
-        else:
-            part = tl.dot(_to_dot_dtype(w, x_dtype), xt)
-        if FORMAT == 2:
+        if X_SCALED and FORMAT != 2:
+            # summed inside the dot: an FP8 dot's result added afterwards is not folded into it (its
+            # accumulation is not float32's), so each K step's wgmma was waited for before the next
+            acc = tl.dot(w, xt, acc)
+        elif FORMAT == 2:
             # BLOCK_K divides SBK, so one K step lies inside one scale block
+            part = tl.dot(w, xt) if X_SCALED else tl.dot(_to_dot_dtype(w, x_dtype), xt)
             s = tl.load(s_ptr + e.to(tl.int64) * stride_se + (n // SBN) * stride_sn + (k0 // SBK) * stride_sk,
                         mask=n_mask, other=0.0)
             acc += part * s[:, None]
         else:
-            acc += part
+            acc += tl.dot(_to_dot_dtype(w, x_dtype), xt)
     return acc
 
 

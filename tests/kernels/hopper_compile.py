@@ -411,6 +411,10 @@ def _check(name: str, compile_case, arch: GpuArch, pipelined: bool, descriptors:
             mmas = sum(opcode(ins).endswith("GMMA") for ins in loop)
             waits = sum(ins.startswith("WARPGROUP.DEPBAR") for ins in loop)
             assert not mmas or waits < mmas, f"{waits} waits for {mmas} wgmma in the K loop"
+            # a step's dot started from zero and added to the sums afterwards (an FP8 dot whose
+            # result is added rather than accumulated in place) is waited for before the next
+            restarts = sum(opcode(ins).endswith("GMMA") and ", RZ" in ins for ins in loop)
+            assert not restarts, f"{restarts} wgmma in the K loop start from a zero accumulator"
         if descriptors:
             assert "async_tma_copy_global_to_local" in kernel.asm["ttgir"], "descriptor loads not TMA copies"
         shared = kernel.metadata.shared
@@ -433,13 +437,17 @@ def _prefill_tiles(arch: GpuArch):
         if cfg.fp8_act:  # e4m3 activations with a scale a row
             types = _types({**{n: types(n) for n in moe_gate_up_kernel.arg_names}, "x_ptr": "*fp8e4nv",
                             "xs_ptr": "*fp32"})
-        cases.append((f"{kind} gate/up tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k}, {cfg.num_stages} stages"
-                      + (", e4m3 activations" if cfg.fp8_act else ""),
-                      moe_gate_up_kernel, types, dict(FORMAT=fmt, MX_DOT_SCALED=True, SBN=1, SBK=1, X_FMT="bf16",
-                                                      ACT=0, HAS_BIAS=False, BLOCK_M=cfg.block_m,
-                                                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                                      X_SCALED=cfg.fp8_act),
-                      cfg.num_warps, cfg.num_stages))
+        tile = dict(FORMAT=fmt, MX_DOT_SCALED=True, SBN=1, SBK=1, X_FMT="bf16", HAS_BIAS=False, BLOCK_M=cfg.block_m,
+                    BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_SCALED=cfg.fp8_act)
+        label = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}, {cfg.num_stages} stages"
+                 + (", e4m3 activations" if cfg.fp8_act else ""))
+        cases.append((f"{kind} gate/up tile {label}", moe_gate_up_kernel, types, dict(tile, ACT=0), cfg.num_warps,
+                      cfg.num_stages))
+        if cfg.fp8_act:
+            down_types = _types({**{n: TILE_FP8(n) for n in moe_down_kernel.arg_names}, "a_ptr": "*fp8e4nv",
+                                 "as_ptr": "*fp32", "out_ptr": "*fp32"})
+            cases.append((f"{kind} down tile {label}", moe_down_kernel, down_types, tile, cfg.num_warps,
+                          cfg.num_stages))
     return cases
 
 
