@@ -131,4 +131,4 @@ class PatchRecipe:
             for ch in range(c):
                 out[start:start + n, ch] = table[ch][x[:, ch].long()]  # the same values in every frame
             start += n
-        return out.view(len(out), -1)
+        return out.view(len(out), table.shape[0] * t * p * p)
