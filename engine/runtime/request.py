@@ -21,11 +21,15 @@ class TextPart:
 
 
 def upright_rgb(img: Image.Image) -> Image.Image:
-    """A decoded image as the user saw it, in RGB: turned as its EXIF orientation says (phone
+    """A decoded image as the user saw it, in 8-bit RGB: turned as its EXIF orientation says (phone
     cameras store the sensor's rows and a tag; browsers apply it, Pillow does not), and anything
     transparent laid over white (dropping the alpha channel would show the colour stored under
     transparent pixels, usually black: black text on a transparent PNG would vanish)."""
     img = ImageOps.exif_transpose(img)
+    if img.mode.startswith("I;16") or (img.mode == "I" and img.getextrema()[1] > 255):
+        # 16-bit samples (scans, depth maps) at 8 bits, as a browser shows them; Pillow's own
+        # conversion clips them, so all but the darkest pixels would turn white
+        img = img.convert("I").point(lambda v: v / 257)
     if "A" in img.getbands() or "transparency" in img.info:
         img = Image.alpha_composite(Image.new("RGBA", img.size, (255, 255, 255, 255)), img.convert("RGBA"))
     return img.convert("RGB")

@@ -111,3 +111,14 @@ def test_a_large_jpeg_decoded_at_a_reduced_size_looks_like_the_full_decode_downs
     full = Image.open(io.BytesIO(buf.getvalue())).convert("RGB").resize((300, 225), Image.Resampling.LANCZOS)
     diff = np.asarray(full, np.float64) - np.asarray(got.part.image, np.float64)
     assert 10 * np.log10(255**2 / np.mean(diff**2)) > 35  # dB
+
+
+def test_a_16_bit_greyscale_png_keeps_its_shades():
+    # Pillow's own conversion clips 16-bit samples to 255: the picture would reach the model white
+    ramp = np.tile(np.linspace(0, 65535, 256).astype(np.uint16), (8, 1))
+    buf = io.BytesIO()
+    Image.fromarray(ramp).save(buf, "PNG")
+    img = prepare_image(buf.getvalue(), "scan.png").part.image
+    row = np.asarray(img)[0, :, 0].astype(int)
+    assert img.mode == "RGB" and row[0] == 0 and row[-1] == 255 and abs(row[128] - 128) <= 1
+    assert np.all(np.diff(row) >= 0) and len(set(row.tolist())) > 200
