@@ -18,7 +18,7 @@ import gradio as gr
 from localchat.app.history import DONE, ERROR, PARTIAL, STOPPED, ChatSettings, History, StoredMessage
 from localchat.app.history_import import ImportRejected, import_conversation
 from localchat.app.ui_frames import frames
-from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_image
+from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_images
 from localchat.app.ui_render import answer_stats, render
 from localchat.engine.runtime.request import (
     ChatEngine, ChatRequest, Final, ImagePart, Message, SamplingParams, TextPart,
@@ -107,10 +107,11 @@ class ChatController:
             check_count(len(files), self.limits)
             if files and not self.info.supports_images:
                 raise ImageRejected(f"{self.info.name} does not take images; start localchat with a vision model.")
-            prepared = []
+            uploads = []
             for path in files:
                 with open(path, "rb") as f:
-                    prepared.append(prepare_image(f.read(), os.path.basename(path), self.limits))
+                    uploads.append((f.read(), os.path.basename(path)))
+            prepared = prepare_images(uploads, self.limits)
         except ImageRejected as e:
             # Shown in the chat, not stored; the textbox keeps the message so it can be fixed.
             return self._rendered(cid) + [{"role": "assistant", "content": f"**Image not accepted:** {e}"}], keep, cid, False, keep

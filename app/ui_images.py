@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
@@ -54,6 +55,7 @@ def check_count(n: int, limits: ImageLimits) -> None:
 
 
 PREPARED_BYTES = 256 << 20
+MAX_THREADS = 8
 
 
 def _footprint(value) -> int:
@@ -81,6 +83,16 @@ def prepare_image(data: bytes, name: str, limits: ImageLimits = ImageLimits()) -
         note = (f"{name} was {w}×{h}; downscaled to {nw}×{nh} "
                 f"(limit {limits.target_pixels / 1e6:.1f} MP) to fit the context.")
     return PreparedImage(name, out, part, note)
+
+
+def prepare_images(files: list[tuple[bytes, str]], limits: ImageLimits = ImageLimits()) -> list[PreparedImage]:
+    """prepare_image for each (bytes, name), side by side on threads (Pillow releases the GIL while
+    it decodes, resizes and encodes): several phone photos in one message take about the time of
+    one per core. Raises the first ImageRejected in the given order."""
+    if len(files) <= 1:
+        return [prepare_image(data, name, limits) for data, name in files]
+    with ThreadPoolExecutor(min(len(files), MAX_THREADS)) as pool:
+        return list(pool.map(lambda file: prepare_image(file[0], file[1], limits), files))
 
 
 def _prepare(data: bytes, name: str, limits: ImageLimits):

@@ -10,6 +10,7 @@ downscaled to the app's ~2 MP and encoded again (app/ui_images.py, its cache byp
 """
 import argparse
 import io
+import os
 import statistics
 import time
 
@@ -52,7 +53,9 @@ def photo(width: int, height: int) -> Image.Image:
 
 
 def uploads(sizes: list[tuple[int, int]], reps: int) -> None:
+    from localchat.app import ui_images
     from localchat.app.ui_images import ImageLimits, _prepare
+    from localchat.engine.runtime.bounded_cache import BoundedCache
 
     print("| upload | bytes | prepared | kept as |")
     print("|---|---|---|---|")
@@ -63,6 +66,14 @@ def uploads(sizes: list[tuple[int, int]], reps: int) -> None:
             turned = ", EXIF turned" if orientation else ""
             print(f"| {w}x{h} JPEG{turned} | {len(data) / 2**20:.1f} MB | {ms:.0f} ms | "
                   f"{part.image.width}x{part.image.height}, {len(out) / 2**20:.2f} MB |")
+    # one message of four photos of the first size, each new: one after another, then prepare_images
+    w, h = sizes[0]
+    photos = [(jpeg(w + i, h), f"{i}.jpg") for i in range(4)]
+    serial, _ = timed(lambda: [_prepare(data, name, ImageLimits()) for data, name in photos], reps)
+    fresh = lambda: setattr(ui_images, "_prepared", BoundedCache(1 << 30, ui_images._footprint))  # noqa: E731
+    together, _ = timed(lambda: fresh() or ui_images.prepare_images(photos), reps)
+    print(f"| four {w}x{h} JPEGs in one message | | {serial:.0f} ms one after another, "
+          f"{together:.0f} ms side by side ({os.cpu_count()} CPUs) | |")
 
 
 def main():

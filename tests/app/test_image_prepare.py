@@ -2,6 +2,7 @@
 import io
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from localchat.app import ui_images
@@ -122,3 +123,32 @@ def test_a_16_bit_greyscale_png_keeps_its_shades():
     row = np.asarray(img)[0, :, 0].astype(int)
     assert img.mode == "RGB" and row[0] == 0 and row[-1] == 255 and abs(row[128] - 128) <= 1
     assert np.all(np.diff(row) >= 0) and len(set(row.tolist())) > 200
+
+
+def test_several_images_prepared_side_by_side_in_order_and_the_first_refusal_raised(monkeypatch):
+    import threading
+    import time
+
+    from localchat.app.ui_images import ImageRejected, prepare_images
+    monkeypatch.setattr(ui_images, "_prepared", BoundedCache(ui_images.PREPARED_BYTES, ui_images._footprint))
+    running, most, lock = [0], [0], threading.Lock()
+    real = ui_images._prepare
+
+    def slow(*a):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)  # as long as a photo's decode, so the others start meanwhile
+        with lock:
+            running[0] -= 1
+        return real(*a)
+
+    monkeypatch.setattr(ui_images, "_prepare", slow)
+    files = [(_png(i, 40 + i, 30), f"{i}.png") for i in range(4)]
+    got = prepare_images(files)
+    assert [p.name for p in got] == ["0.png", "1.png", "2.png", "3.png"]
+    assert [p.part.image.size for p in got] == [(40, 30), (41, 30), (42, 30), (43, 30)]
+    assert most[0] > 1
+    bad = files[:1] + [(b"not an image", "a.txt"), (b"nor this", "b.txt")]
+    with pytest.raises(ImageRejected, match="a.txt"):
+        prepare_images(bad)
