@@ -16,9 +16,11 @@ def _paced(n: int, every_s: float, fail_at: int | None = None):
 
 
 def test_a_burst_becomes_one_update_with_every_item_in_order():
+    start = time.monotonic()
     lists = list(frames(_paced(5000, 0.0), frame_s=0.04))
+    elapsed = time.monotonic() - start
     assert [i for batch in lists for i in batch] == list(range(5000))
-    assert len(lists) <= 3 and all(lists)
+    assert len(lists) <= elapsed / 0.04 + 2 and all(lists)  # a few lists, not 5000
 
 
 def test_a_steady_stream_updates_at_most_once_a_frame_and_the_first_item_at_once():
@@ -28,10 +30,11 @@ def test_a_steady_stream_updates_at_most_once_a_frame_and_the_first_item_at_once
         stamps.append(time.monotonic())
         lists.append(batch)
     assert [i for batch in lists for i in batch] == list(range(40))
-    assert lists[0] == [0] and stamps[0] - start < 0.04  # not held back for a frame
+    assert lists[0] == [0] and stamps[0] - start < 0.05  # not held back for a frame
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     assert all(g >= 0.045 for g in gaps[:-1])  # the last comes when the stream ends
-    assert 5 <= len(lists) <= 12  # ~0.4 s of items in 0.05 s frames, not 40 updates
+    elapsed = stamps[-1] - start  # ~0.4 s, longer on a busy machine
+    assert 3 <= len(lists) <= elapsed / 0.05 + 2  # a list a frame, not one an item
 
 
 def test_what_the_stream_raises_comes_after_the_items_before_it():
