@@ -14,8 +14,8 @@ from localchat.app.api_format import parse_response_format
 from localchat.app.api_logprobs import parse_logit_bias, parse_logprobs
 from localchat.app.api_tools import parse_tool_calls, parse_tools
 from localchat.app.defaults import ANSWER_TOKENS
-from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_image
-from localchat.engine.runtime.request import ChatRequest, Message, ModelInfo, SamplingParams, TextPart
+from localchat.app.ui_images import ImageLimits, ImageRejected, check_count, prepare_images
+from localchat.engine.runtime.request import ChatRequest, ImagePart, Message, ModelInfo, SamplingParams, TextPart
 
 MAX_CHOICES = 8  # 'n': answers to one request, all decoded together
 
@@ -121,13 +121,14 @@ def _parse_message(m: object, i: int, info: ModelInfo, limits: ImageLimits) -> M
     if isinstance(content, str):
         parts.append(TextPart(content))
     elif isinstance(content, list):
-        images = [p for p in content if isinstance(p, dict) and p.get("type") == "image_url"]
+        images = {j: p for j, p in enumerate(content) if isinstance(p, dict) and p.get("type") == "image_url"}
         try:
             check_count(len(images), limits)
         except ImageRejected as e:
             raise ApiError(400, str(e), param=f"messages[{i}].content", code="too_many_images")
+        ready = _image_parts(images, i, role, info, limits)
         for j, p in enumerate(content):
-            parts.append(_parse_part(p, f"messages[{i}].content[{j}]", role, info, limits))
+            parts.append(ready[j] if j in ready else _parse_part(p, f"messages[{i}].content[{j}]"))
     elif content is None and role == "assistant":
         pass
     else:
@@ -139,13 +140,27 @@ def _parse_message(m: object, i: int, info: ModelInfo, limits: ImageLimits) -> M
                    m.get("tool_call_id") if role == "tool" else None)
 
 
-def _parse_part(p: object, where: str, role: str, info: ModelInfo, limits: ImageLimits):
+def _parse_part(p: object, where: str) -> TextPart:
     kind = p.get("type") if isinstance(p, dict) else None
     if kind == "text" and isinstance(p.get("text"), str):
         return TextPart(p["text"])
-    if kind != "image_url":
-        raise ApiError(400, f"{where}: part type {kind!r} is not supported; use 'text' or 'image_url'.",
-                       param=where)
+    raise ApiError(400, f"{where}: part type {kind!r} is not supported; use 'text' or 'image_url'.", param=where)
+
+
+def _image_parts(images: dict[int, dict], i: int, role: str, info: ModelInfo,
+                 limits: ImageLimits) -> dict[int, ImagePart]:
+    """Message i's image parts by index, checked, then decoded and prepared side by side."""
+    files = [(_image_bytes(p, f"messages[{i}].content[{j}]", role, info), f"messages[{i}].content[{j}]")
+             for j, p in images.items()]
+    try:
+        prepared = prepare_images(files, limits)
+    except ImageRejected as e:
+        raise ApiError(400, str(e), param=e.name, code="invalid_image")
+    return {j: image.part for j, image in zip(images, prepared)}
+
+
+def _image_bytes(p: dict, where: str, role: str, info: ModelInfo) -> bytes:
+    """The encoded image an image_url part carries."""
     if role != "user":
         raise ApiError(400, f"{where}: images are only accepted in user messages.", param=where)
     if not info.supports_images:
@@ -164,13 +179,9 @@ def _parse_part(p: object, where: str, role: str, info: ModelInfo, limits: Image
         raise ApiError(400, f"{where}: image_url must be a base64 data: URL (data:image/png;base64,...).",
                        param=where, code="invalid_image_url")
     try:
-        data = base64.b64decode(match["b64"], validate=False)
+        return base64.b64decode(match["b64"], validate=False)
     except (binascii.Error, ValueError):
         raise ApiError(400, f"{where}: the base64 image data is malformed.", param=where, code="invalid_image_url")
-    try:
-        return prepare_image(data, where, limits).part
-    except ImageRejected as e:
-        raise ApiError(400, str(e), param=where, code="invalid_image")
 
 
 def _default(recommended, fallback):

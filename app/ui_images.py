@@ -37,7 +37,12 @@ class ImageLimits:
 
 
 class ImageRejected(ValueError):
-    """The message says which image and which limit; it is shown to the user as is."""
+    """The message says which image and which limit; it is shown to the user as is. `name`: the
+    refused image's, where one image is meant."""
+
+    def __init__(self, message: str, name: str | None = None):
+        super().__init__(message)
+        self.name = name
 
 
 @dataclass(frozen=True)
@@ -97,15 +102,15 @@ def prepare_images(files: list[tuple[bytes, str]], limits: ImageLimits = ImageLi
 
 def _prepare(data: bytes, name: str, limits: ImageLimits):
     if len(data) > limits.max_bytes:
-        raise ImageRejected(f"{name} is {_mb(len(data))}; the limit is {_mb(limits.max_bytes)} per image.")
+        raise ImageRejected(f"{name} is {_mb(len(data))}; the limit is {_mb(limits.max_bytes)} per image.", name)
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only: size is known before decoding
     except (UnidentifiedImageError, OSError):
-        raise ImageRejected(f"{name} is not an image localchat can read (use PNG, JPEG, WebP, GIF or BMP).")
+        raise ImageRejected(f"{name} is not an image localchat can read (use PNG, JPEG, WebP, GIF or BMP).", name)
     w, h = img.size
     if w * h > limits.max_pixels:
         raise ImageRejected(f"{name} is {w}×{h} = {w * h / 1e6:.0f} MP; the limit is "
-                            f"{limits.max_pixels / 1e6:.0f} MP per image.")
+                            f"{limits.max_pixels / 1e6:.0f} MP per image.", name)
     target = None
     if w * h > limits.target_pixels:
         scale = math.sqrt(limits.target_pixels / (w * h))
@@ -116,7 +121,7 @@ def _prepare(data: bytes, name: str, limits: ImageLimits):
     try:
         img.load()
     except (OSError, Image.DecompressionBombError) as e:
-        raise ImageRejected(f"{name} could not be decoded ({e}); re-save it as PNG or JPEG.")
+        raise ImageRejected(f"{name} could not be decoded ({e}); re-save it as PNG or JPEG.", name)
     fmt = img.format
     rgb = upright_rgb(img)
     resized = None

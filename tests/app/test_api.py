@@ -90,6 +90,18 @@ def test_streaming_with_image_part_and_usage(api):
     assert isinstance(parts[0], TextPart) and isinstance(parts[1], ImagePart) and parts[1].image.size == (32, 24)
 
 
+def test_a_messages_images_arrive_in_their_places(api):
+    engine, client, _ = api
+    urls = ["data:image/png;base64," + base64.b64encode(png_bytes(32 + i, 24, (40 * i, 0, 0))).decode()
+            for i in range(3)]
+    client.chat.completions.create(model="fake-glm", messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": urls[0]}}, {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": {"url": urls[1]}}, {"type": "image_url", "image_url": {"url": urls[2]}}]}])
+    parts = engine.requests[-1].messages[0].content
+    assert [type(p).__name__ for p in parts] == ["ImagePart", "TextPart", "ImagePart", "ImagePart"]
+    assert [p.image.size for p in parts if isinstance(p, ImagePart)] == [(32, 24), (33, 24), (34, 24)]
+
+
 def test_errors_use_openai_format(api):
     engine, client, srv = api
     with pytest.raises(openai.BadRequestError) as e:
@@ -120,7 +132,13 @@ def test_errors_use_openai_format(api):
              ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
              ({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 2.5}, "frequency_penalty"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
-              "messages[0].content[0]")]
+              "messages[0].content[0]"),
+             # of a message's images, prepared side by side, the one refused is named
+             ({"messages": [{"role": "user", "content": [
+                 {"type": "text", "text": "two"},
+                 {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png_bytes()).decode()}},
+                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
+              "messages[0].content[2]")]
     for body, param in cases:
         r = httpx.post(srv.url + "v1/chat/completions", json=body, headers=headers)
         err = r.json()["error"]
