@@ -148,7 +148,7 @@ def _request(args, model_dir: Path):
         check_count(len(args.image), ImageLimits())
     except ImageRejected as e:
         raise UserError(str(e)) from None
-    images = [_image(path) for path in args.image]
+    images = _images(args.image)
     messages = []
     if args.system:
         messages.append(Message.text("system", args.system))
@@ -160,21 +160,23 @@ def _request(args, model_dir: Path):
                        response_schema=schema)
 
 
-def _image(path: str):
-    """The image file at `path` as an ImagePart, checked and (above ~2 MP) downscaled as the chat
-    page and the API do, the downscale said on stderr; raises UserError saying what is wrong."""
-    from .ui_images import ImageRejected, prepare_image
+def _images(paths: list[str]) -> list:
+    """The image files as ImageParts, checked and (above ~2 MP) downscaled as the chat page and the
+    API do (side by side), each downscale said on stderr; raises UserError saying what is wrong."""
+    from .ui_images import ImageRejected, prepare_images
 
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"no such image file: {path}")
+    files = [Path(path) for path in paths]
+    for file in files:
+        if not file.is_file():
+            raise UserError(f"no such image file: {file}")
     try:
-        prepared = prepare_image(file.read_bytes(), file.name)
+        prepared = prepare_images([(file.read_bytes(), file.name) for file in files])
     except ImageRejected as e:
         raise UserError(str(e)) from None
-    if prepared.note:
-        print(f"note: {prepared.note}", file=sys.stderr)
-    return prepared.part
+    for image in prepared:
+        if image.note:
+            print(f"note: {image.note}", file=sys.stderr)
+    return [image.part for image in prepared]
 
 
 def _schema(path: str):
@@ -460,11 +462,11 @@ def _converse(args) -> int:
 
     def load_image(path: str) -> ImagePart:
         try:
-            return _image(path)
+            return _images([path])[0]
         except UserError as e:
             raise ValueError(str(e)) from None
 
-    images = [_image(p) for p in args.image]  # before the load, as for one question
+    images = _images(args.image)  # before the load, as for one question
     model_dir = _model_dir(args)
     template = ChatRequest((Message.text("system", args.system),) if args.system else (), _sampling(args, model_dir),
                            thinking=not args.no_thinking, reasoning_effort=args.reasoning_effort)
