@@ -19,8 +19,9 @@
 # tiles, its kernels one by one, Nsight Compute's view of them at 1024 tokens, and the kernels of
 # a 2048-token gpt-oss-120b prefill), fp8-accumulate (GLM-4.5V's FP8 experts at prefill sizes with
 # their FP8 dots summing the K loop in place: GPU tests, then against before_kernels/moe_gemm.py,
-# the file from before, with bench/ab_kernels.sh: the MoE alone, the other tiles once more now that
-# the dots stay in flight, and a 2048-token prefill).
+# the file from before, with bench/ab_kernels.sh: the MoE alone, the dense FP8 linears' cuBLAS call
+# with its fast accumulation or not, the other tiles once more now that the dots stay in flight, and
+# a 2048-token prefill).
 # Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
@@ -83,6 +84,7 @@ step prefill-mxfp4 && [ -n "$NCU" ] && timeout "${PREFILL_NCU_S:-150}" "$NCU" --
 step prefill-mxfp4 && timeout "${PREFILL_PROFILE_S:-150}" python3 bench/profile_step.py gpt-oss-120b --layers 4 --prefill 2048 2>&1 | tee "$OUT/prefill_profile_oss.log" | grep -v Warn
 step fp8-accumulate && timeout "${FP8_ACC_TESTS_S:-150}" python3 -m pytest -m gpu tests/kernels/test_moe.py tests/kernels/test_moe_defaults.py -q -s -p no:cacheprovider -k "glm45v or defaults" 2>&1 | tee "$OUT/fp8_accumulate_gpu.log" | tail -12
 step fp8-accumulate && [ -d before_kernels ] && BEFORE_DIR=before_kernels timeout "${FP8_ACC_S:-240}" bash bench/ab_kernels.sh python3 bench/bench_moe_prefill.py --only fp8_channel,fp8_block --ts 1024,4096,256 --tiles 64:128:128:8:3 2>&1 | tee "$OUT/fp8_accumulate.log"
+step fp8-accumulate && timeout "${FAST_ACCUM_S:-90}" python3 bench/fast_accum_probe.py 2>&1 | tee "$OUT/fast_accum.log"
 step fp8-accumulate && timeout "${FP8_ACC_TILES_S:-150}" python3 bench/bench_moe_prefill.py --only fp8_channel --ts 1024,4096 2>&1 | tee "$OUT/fp8_accumulate_tiles.log" | grep -v Warn
 step fp8-accumulate && [ -d before_kernels ] && BEFORE_DIR=before_kernels timeout "${FP8_ACC_TTFT_S:-240}" bash bench/ab_kernels.sh python3 bench/bench_decode.py glm-4.5v-fp8 --dummy --batch 1 --prompt-len 2048 --gen-len 8 --image none 2>&1 | tee "$OUT/fp8_accumulate_ttft.log" | tail -12
 exit 0
