@@ -150,8 +150,8 @@ def _parse_part(p: object, where: str) -> TextPart:
 def _image_parts(images: dict[int, dict], i: int, role: str, info: ModelInfo,
                  limits: ImageLimits) -> dict[int, ImagePart]:
     """Message i's image parts by index, checked, then decoded and prepared side by side."""
-    files = [(_image_bytes(p, f"messages[{i}].content[{j}]", role, info), f"messages[{i}].content[{j}]")
-             for j, p in images.items()]
+    wheres = {j: f"messages[{i}].content[{j}]" for j in images}
+    files = [(_image_bytes(p, wheres[j], role, info), wheres[j]) for j, p in images.items()]
     try:
         prepared = prepare_images(files, limits)
     except ImageRejected as e:

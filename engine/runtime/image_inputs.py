@@ -25,7 +25,7 @@ MAX_THREADS = 8
 class ImageInputs:
     def __init__(self, recipe: PatchRecipe, cache_bytes: int = CACHE_BYTES):
         self.recipe = recipe
-        self.cache = BoundedCache(cache_bytes, lambda kept: kept[0].numel())
+        self.cache = BoundedCache(cache_bytes, lambda pixels: pixels.numel())
 
     def __call__(self, images: list[ImagePart]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """-> (each image resized, [3, H_i, W_i] uint8; image_grid_thw [len(images), 3]): the
@@ -40,9 +40,8 @@ class ImageInputs:
                     found[p.sha256] = out
         for p in todo:
             self.cache.put(p.sha256, found[p.sha256])
-        parts = [found[p.sha256] for p in images]
-        return tuple(pixels for pixels, _ in parts), torch.cat([grid for _, grid in parts])
+        pixels = tuple(found[p.sha256] for p in images)
+        return pixels, torch.cat([self.recipe.grid(image) for image in pixels])
 
-    def _resize(self, image: ImagePart) -> tuple[torch.Tensor, torch.Tensor]:
-        pixels = self.recipe.resize(image.image)
-        return pixels, self.recipe.grid(pixels)
+    def _resize(self, image: ImagePart) -> torch.Tensor:
+        return self.recipe.resize(image.image)

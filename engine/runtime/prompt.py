@@ -159,9 +159,8 @@ class ChatFormatter:
         if self.tokenizer.chat_template is None:
             raise ValueError(f"{path} has no chat template (tokenizer_config.json or chat_template.jinja); "
                              "the checkpoint is incomplete: download it again")
-        self.image_processor = load_image_processor(path) if spec.vision is not None else None
-        self.image_inputs = (ImageInputs(PatchRecipe.from_processor(self.image_processor))
-                             if self.image_processor is not None else None)
+        self.image_inputs = (ImageInputs(PatchRecipe.from_processor(load_image_processor(path)))
+                             if spec.vision is not None else None)
         added = [t.content for t in self.tokenizer.added_tokens_decoder.values()]
         self.special_texts = tuple(sorted({t for t in added if len(t) > 1}, key=len, reverse=True))
 
@@ -198,7 +197,7 @@ class ChatFormatter:
 
     def build(self, request: ChatRequest) -> Prompt:
         images = _images(request)
-        if images and self.image_processor is None:
+        if images and self.image_inputs is None:
             raise ValueError(f"{self.spec.family} does not read images; send text only or use a GLM-4.5V model")
         ids = self.tokenizer(self.render(request), add_special_tokens=False)["input_ids"]
         if not images:
