@@ -1,16 +1,17 @@
 """Prefill attention through torch's FlashAttention-2 on keys gathered out of the paged cache.
 
-Prefill attention is bound by arithmetic, not bytes (a 2048-query chunk after 30K cached keys does
-~3 TFLOP and moves ~0.2 GB per GLM-4.5V layer), so gathering a sequence's keys and values out of
-their 16-token pages into one contiguous run costs a few percent of the call and lets a tuned
-kernel take the rest. torch ships FlashAttention-2 (`aten._flash_attention_forward`: packed
+Prefill attention is bound by arithmetic, not bytes: gathering a sequence's keys and values out of
+their 16-token pages into one contiguous run costs under 1% of the call (GLM-4.5V, the last
+2048-query chunk of a 32K prompt: 2 x 134 MB, ~63 us at 4.27 TB/s, against ~11 ms of attention)
+and lets a tuned kernel take the rest. torch ships FlashAttention-2 (`aten._flash_attention_forward`: packed
 sequences, GQA, a causal mask aligned to the last key, a left window) and returns each row's
 log-sum-exp, through which gpt-oss's sinks are added to the softmax denominator afterwards:
 with a sink s for head h, softmax over (scores, s) = softmax(scores) * 1 / (1 + exp(s - lse)).
 
 `flash_varlen` is the FlashAttention call, `flash_varlen_ref` its torch reference (same
 signature); `gathered_prefill_attention` has the signature of paged_prefill_attention plus the
-host-side lengths and the attention function to use.
+host-side lengths and the attention function to use. The engine's prefill keeps the paged Triton
+kernel until this measures faster on the GPU (bench/NOTES-attention.md).
 """
 from __future__ import annotations
 
@@ -86,12 +87,6 @@ def gathered_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         return out
     share = torch.sigmoid(lse - sinks.float()[:, None])  # 1 / (1 + exp(s - lse)), [Hq, Tq]
     return (out.float() * share.t()[:, :, None]).to(q.dtype)
-
-
-# Keys gathered at most in one call: 128K keys of GLM-4.5V's 8 KV heads of 128 are 0.5 GiB of
-# keys and values, a fair share of the room the planner leaves for activations
-# (engine/planner.py); a larger prefill batch's contexts stay on the paged kernel.
-MAX_GATHERED_KEYS = 128 * 1024
 
 
 @functools.lru_cache(maxsize=None)
