@@ -315,19 +315,25 @@ def gather_paged(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch
     return cache[table.long()[j // block_size], j % block_size]
 
 
-def attention_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
-                       sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
-    """q [T, Hq, D] at positions [T]; k, v [S, Hkv, D] for positions 0..S-1 -> [T, Hq, D] fp32."""
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    kf = k.float().repeat_interleave(hq // hkv, dim=1)
-    vf = v.float().repeat_interleave(hq // hkv, dim=1)
+def masked_scores_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float,
+                      window: int | None) -> torch.Tensor:
+    """q [T, Hq, D] at positions [T]; k [S, Hkv, D] for positions 0..S-1 -> scaled scores
+    [Hq, T, S] fp32, -inf where a query may not see a key (later, or outside the window)."""
+    kf = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     scores = torch.einsum("thd,shd->hts", q.float(), kf) * scale
     j = torch.arange(k.shape[0], device=q.device)
     allowed = j[None, :] <= positions[:, None]
     if window is not None:
         allowed &= j[None, :] > positions[:, None] - window
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
+def attention_rows_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
+                       sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """q [T, Hq, D] at positions [T]; k, v [S, Hkv, D] for positions 0..S-1 -> [T, Hq, D] fp32."""
+    t, hq, d = q.shape
+    vf = v.float().repeat_interleave(hq // v.shape[1], dim=1)
+    scores = masked_scores_ref(q, k, positions, scale, window)
     if sinks is not None:
         scores = torch.cat((scores, sinks.float().view(hq, 1, 1).expand(hq, t, 1)), dim=-1)
     probs = torch.softmax(scores, dim=-1)[..., : k.shape[0]]

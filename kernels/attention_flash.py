@@ -19,6 +19,8 @@ import functools
 
 import torch
 
+from .attention_decode import masked_scores_ref
+
 
 def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                  max_q: int, max_k: int, scale: float, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,15 +38,9 @@ def flash_varlen_ref(q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None) -> t
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     for b in range(cu_q.numel() - 1):
         qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
-        kf = k[ks:ke].float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         vf = v[ks:ke].float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        scores = torch.einsum("thd,shd->hts", q[qs:qe].float(), kf) * scale
         pos = torch.arange(ke - ks - (qe - qs), ke - ks, device=q.device)
-        j = torch.arange(ke - ks, device=q.device)
-        allowed = j[None, :] <= pos[:, None]
-        if window is not None:
-            allowed &= j[None, :] > pos[:, None] - window
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = masked_scores_ref(q[qs:qe], k[ks:ke], pos, scale, window)
         lse[:, qs:qe] = torch.logsumexp(scores, dim=-1)
         out[qs:qe] = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), vf).to(q.dtype)
     return out, lse
