@@ -4,8 +4,10 @@ sinks; also a sliding-window layer), in several tiles; --before FILE also times 
 kernels/attention_prefill.py (e.g. `git show REV:kernels/attention_prefill.py > FILE`), and torch's
 SDPA on the same keys laid out contiguously (causal from the first key, so the first chunk only;
 it has no sinks) is the baseline. --flash also times torch's FlashAttention-2 on keys gathered out of
-the pages first, gather included (kernels/attention_flash.py). TFLOP/s count the causal half: 4 x queries x mean keys x heads x dim.
-    python bench/bench_prefill_attention.py [--before FILE] [--tiles 64:64:4:2,128:64:8:2,...] [--flash]
+the pages first, gather included (kernels/attention_flash.py); --cudnn cuDNN's fused attention on
+gathered keys in two parts, prefix and chunk (kernels/attention_cudnn.py). TFLOP/s count the
+causal half: 4 x queries x mean keys x heads x dim.
+    python bench/bench_prefill_attention.py [--before FILE] [--tiles 64:64:4:2,128:64:8:2,...] [--flash] [--cudnn]
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
 from kernel_checks import eager_time_ms, paged_cache, rel_err  # noqa: E402
 
+from localchat.kernels.attention_cudnn import cudnn_prefill_attention  # noqa: E402
 from localchat.kernels.attention_flash import gathered_prefill_attention  # noqa: E402
 from localchat.kernels.attention_prefill import paged_prefill_attention  # noqa: E402
 
@@ -34,6 +37,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--prefixes", default="0,6144,30720")
     p.add_argument("--flash", action="store_true", help="also time torch's FlashAttention-2 on gathered keys")
+    p.add_argument("--cudnn", action="store_true", help="also time cuDNN's attention on gathered keys (prefix, then chunk)")
     args = p.parse_args()
     forms = []
     if args.before:
@@ -78,6 +82,15 @@ def main() -> None:
                           f"(rel diff from the first form {rel_err(out, first):.1e})", flush=True)
                 except Exception as e:
                     print(f"  torch flash-2 on gathered keys: failed ({type(e).__name__}: {str(e)[:160]})")
+            if args.cudnn and window is None:
+                try:
+                    extra = dict(context_lens_host=lens.tolist(), query_start_host=[0, chunk])
+                    out = cudnn_prefill_attention(*a, **extra)
+                    ms = eager_time_ms(lambda: cudnn_prefill_attention(*a, **extra))
+                    print(f"  cuDNN on gathered keys, two parts: {ms * 1e3:8.0f} us  {flops / ms / 1e9:5.0f} TFLOP/s  "
+                          f"(rel diff from the first form {rel_err(out, first):.1e})", flush=True)
+                except Exception as e:
+                    print(f"  cuDNN on gathered keys, two parts: failed ({type(e).__name__}: {str(e)[:160]})")
             if prefix == 0 and window is None:
                 pages = tables[0, : ctx // 16].long()
                 kc = k[pages].reshape(ctx, hkv, d).transpose(0, 1)[None]

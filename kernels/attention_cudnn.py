@@ -1,0 +1,118 @@
+"""Prefill attention through cuDNN's fused attention on keys gathered out of the paged cache.
+
+On Hopper, torch's SDPA runs cuDNN's fused attention kernel, which took a prompt's first 2048-query
+chunk at 422-455 TFLOP/s on an H100 against the paged Triton kernel's ~290 (GLM-4.5V's shapes,
+bench/NOTES-attention.md). torch exposes it (`aten._scaled_dot_product_cudnn_attention`, GQA by
+head counts, each row's log-sum-exp on request) with a causal mask aligned to the first key only:
+query i sees keys <= i. A chunk's Tq queries are the last of its sequence's Tk keys, so query i
+must see keys <= Tk - Tq + i. Each sequence is therefore attended in two calls: its queries
+against the cached prefix (keys 0 .. Tk-Tq-1, all of them visible: no mask) and against its own Tq
+keys (a square, where the first-key causal mask is the right one). The two partial softmaxes are
+merged through their log-sum-exps, and gpt-oss's sinks join the denominator the same way as in
+attention_flash (softmax over (scores, s) = softmax(scores) * sigmoid(lse - s)).
+
+No window: sliding-window layers (gpt-oss, 128 keys) stay on the paged kernel, where they are short.
+`sdpa_with_lse` is the cuDNN call, `sdpa_with_lse_ref` its torch reference (same signature);
+`cudnn_prefill_attention` has paged_prefill_attention's signature plus the host-side lengths and
+the call to use. The engine keeps the paged Triton kernel until this measures faster there.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .attention_flash import gather_slots, matches_reference
+
+
+def sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1, Hq, Tq, D], k/v [1, Hkv, Tk, D] (Hkv divides Hq); causal: query i sees keys <= i.
+    Returns (out [1, Hq, Tq, D] in q.dtype, lse [Hq, Tq] float32, natural log)."""
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+    return out, lse.reshape(q.shape[1], q.shape[2]).float()
+
+
+def sdpa_with_lse_ref(q, k, v, causal, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    group = q.shape[1] // k.shape[1]
+    kf, vf = (x[0].float().repeat_interleave(group, dim=0) for x in (k, v))
+    scores = torch.einsum("htd,hsd->hts", q[0].float(), kf) * scale
+    if causal:
+        tq, tk = scores.shape[1:]
+        scores = scores.masked_fill(torch.ones(tq, tk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    out = torch.einsum("hts,hsd->htd", torch.softmax(scores, dim=-1), vf)
+    return out[None].to(q.dtype), torch.logsumexp(scores, dim=-1)
+
+
+def gather_heads_first(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, Hkv, D] (any strides), slots [S] -> [1, Hkv, S, D]
+    contiguous: the layout the attention call takes, in one gather."""
+    block_size = cache.shape[1]
+    return cache.permute(2, 0, 1, 3)[:, slots // block_size, slots % block_size][None]
+
+
+def prefix_and_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                               attend=sdpa_with_lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: q [Tq, Hq, D] at the last Tq of the Tk key positions in k/v [1, Hkv, Tk, D].
+    Returns (out [Tq, Hq, D] float32, lse [Hq, Tq] float32)."""
+    prefix = k.shape[2] - q.shape[0]
+    q4 = q.transpose(0, 1)[None]
+    out, lse = attend(q4, k[:, :, prefix:], v[:, :, prefix:], True, scale)
+    out = out[0].float()
+    if prefix > 0:
+        out_p, lse_p = attend(q4, k[:, :, :prefix], v[:, :, :prefix], False, scale)
+        total = torch.logaddexp(lse, lse_p)
+        own = torch.exp(lse - total)[:, :, None]  # the chunk keys' share of the softmax mass
+        out = out * own + out_p[0].float() * (1 - own)
+        lse = total
+    return out.transpose(0, 1), lse
+
+
+def cudnn_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            max_q_len: int, scale: float, sinks: torch.Tensor | None = None,
+                            window: int | None = None, *, context_lens_host: list[int],
+                            query_start_host: list[int], attend=sdpa_with_lse) -> torch.Tensor:
+    """As paged_prefill_attention (q [Tq, Hq, D] packed by cu_seqlens_q [B+1] int32, caches
+    [num_blocks, block_size, Hkv, D], block_tables [B, max_blocks], context_lens [B] int32), with
+    the query starts and context lengths also on the host; no window. Each sequence's keys are
+    copied out of the pages, then attended by `attend` (sdpa_with_lse or its reference) in the
+    two parts above. Returns [Tq, Hq, D] in q.dtype."""
+    if window is not None:
+        raise ValueError("cudnn_prefill_attention has no sliding window; such layers take the paged kernel")
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    for b, length in enumerate(context_lens_host):
+        start, end = query_start_host[b], query_start_host[b + 1]
+        if end == start:
+            continue
+        slots = gather_slots(block_tables[b:b + 1], [length], block_size)
+        k, v = gather_heads_first(k_cache, slots), gather_heads_first(v_cache, slots)
+        rows, lse = prefix_and_chunk_attention(q[start:end], k, v, scale, attend)
+        if sinks is not None:
+            rows = rows * torch.sigmoid(lse - sinks.float()[:, None]).t()[:, :, None]
+        out[start:end] = rows.to(q.dtype)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def cudnn_works(device_index: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether this torch runs cuDNN's attention on this GPU for this head size and dtype, with
+    fewer KV heads than query heads, and computes the output and its log-sum-exp right (against
+    sdpa_with_lse_ref), masked and not; tried once per device, head size and dtype."""
+    dev = torch.device("cuda", device_index)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    # queries as the engine passes them: [T, Hq, D] rows seen heads-first
+    q = torch.randn(40, 4, head_dim, device=dev, generator=gen).to(dtype).transpose(0, 1)[None]
+    k = torch.randn(1, 2, 72, head_dim, device=dev, generator=gen).to(dtype)
+    v = torch.randn(1, 2, 72, head_dim, device=dev, generator=gen).to(dtype)
+    for keys, causal in ((72, False), (40, True)):
+        part = (q, k[:, :, :keys], v[:, :, :keys], causal, head_dim ** -0.5)
+        try:
+            got = sdpa_with_lse(*part)
+        except (RuntimeError, NotImplementedError, TypeError):
+            return False
+        if not matches_reference(*got, *sdpa_with_lse_ref(*part)):
+            return False
+    return True

@@ -1,0 +1,103 @@
+"""Prefill attention through cuDNN on gathered keys: the split into the cached prefix and the
+chunk's own keys, their merge through the log-sum-exps and the sinks' share, against the paged
+reference; the real call's masks and log-sum-exp on the GPU."""
+import pytest
+import torch
+
+from kernel_checks import TOL, cuda_time_us, paged_cache, rel_err
+from localchat.kernels.attention_cudnn import (cudnn_prefill_attention, cudnn_works, gather_heads_first,
+                                               prefix_and_chunk_attention, sdpa_with_lse, sdpa_with_lse_ref)
+from localchat.kernels.attention_flash import matches_reference
+from localchat.kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(ctx_lens, q_lens, hkv, group, d, dtype, sinks, block_size=8):
+    k, v, tables, ctx = paged_cache(ctx_lens, hkv, d, block_size, dtype)
+    starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    cu = torch.tensor(starts, dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(q_lens), hkv * group, d, device=DEV).to(dtype)
+    s = (torch.randn(hkv * group, device=DEV) * 2) if sinks else None
+    return (q, k, v, tables, ctx, cu, max(q_lens), d ** -0.5, s), starts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_two_part_matches_paged_reference(dtype, sinks):
+    # a cached prefix of 16; none; one token after 4; a prefix of 61 over a page boundary; an idle slot
+    args, starts = _case([37, 20, 5, 100, 9], [21, 20, 1, 39, 0], hkv=2, group=3, d=32, dtype=dtype, sinks=sinks)
+    out = cudnn_prefill_attention(*args, None, context_lens_host=args[4].tolist(), query_start_host=starts,
+                                  attend=sdpa_with_lse_ref)
+    assert rel_err(out, paged_prefill_attention_ref(*args, None)) < TOL[dtype]
+
+
+def test_prefix_part_is_unmasked_and_chunk_part_square():
+    # the merge must weigh each part by its softmax mass: one query after 3 keys sees all 4
+    q = torch.randn(1, 2, 8)
+    k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
+    out, lse = prefix_and_chunk_attention(q, k, v, 0.5, attend=sdpa_with_lse_ref)
+    scores = torch.einsum("hd,sd->hs", q[0], k[0, 0]) * 0.5
+    assert torch.allclose(out[0], torch.softmax(scores, -1) @ v[0, 0], atol=1e-5)
+    assert torch.allclose(lse[:, 0], torch.logsumexp(scores, -1), atol=1e-5)
+
+
+def test_reference_causal_mask_is_aligned_to_the_first_key():
+    q, k, v = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
+    out, _ = sdpa_with_lse_ref(q, k, v, True, 1.0)
+    assert torch.allclose(out[0, 0, 0], v[0, 0, 0])  # the first query sees the first key only
+
+
+def test_gather_heads_first_follows_strides():
+    whole = torch.randn(6, 2, 4, 3, 8)
+    cache = whole[:, 1]  # one layer's view into a larger allocation
+    slots = torch.tensor([0, 5, 4, 23, 9])
+    got = gather_heads_first(cache, slots)
+    assert got.shape == (1, 3, 5, 8) and got.is_contiguous()
+    assert torch.equal(got[0].transpose(0, 1), torch.stack([cache[s // 4, s % 4] for s in slots.tolist()]))
+
+
+def test_window_is_refused():
+    args, starts = _case([10], [10], hkv=1, group=2, d=16, dtype=torch.float32, sinks=False)
+    with pytest.raises(ValueError, match="window"):
+        cudnn_prefill_attention(*args, 4, context_lens_host=[10], query_start_host=starts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d,sinks", [(64, 8, 64, True), (96, 8, 128, False)])
+def test_cudnn_real_shapes_gpu(hq, hkv, d, sinks):
+    # two sequences: a 2048-token chunk after 2048 cached keys, and a fresh 700-token prompt
+    ctx_lens, q_lens = [4096, 700], [2048, 700]
+    assert cudnn_works(torch.cuda.current_device(), d, torch.bfloat16)
+    k, v, tables, ctx = paged_cache(ctx_lens, hkv, d, 16, torch.bfloat16)
+    starts = [0, 2048, 2748]
+    cu = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(q_lens), hq, d, device="cuda", dtype=torch.bfloat16)
+    s = torch.randn(hq, device="cuda") * 2 if sinks else None
+    args = (q, k, v, tables, ctx, cu, 2048, d ** -0.5, s, None)
+    ref = paged_prefill_attention_ref(*args)
+    out = cudnn_prefill_attention(*args, context_lens_host=ctx_lens, query_start_host=starts)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    ours = cuda_time_us(lambda: paged_prefill_attention(*args), iters=3)
+    cudnn = cuda_time_us(lambda: cudnn_prefill_attention(*args, context_lens_host=ctx_lens,
+                                                         query_start_host=starts), iters=3)
+    print(f"\nprefill hq={hq} d={d}: paged kernel {ours:.0f} us, gathered cuDNN {cudnn:.0f} us")
+
+
+@pytest.mark.gpu
+def test_sdpa_with_lse_masks_gpu():
+    q = torch.randn(300, 8, 64, device="cuda", dtype=torch.bfloat16).transpose(0, 1)[None]
+    kv = torch.randn(2, 1, 2, 500, 64, device="cuda", dtype=torch.bfloat16)
+    for keys, causal in ((500, False), (300, True)):
+        k, v = kv[0, :, :, :keys], kv[1, :, :, :keys]
+        out, lse = sdpa_with_lse(q, k, v, causal, 0.125)
+        ref, ref_lse = sdpa_with_lse_ref(q, k, v, causal, 0.125)
+        assert rel_err(out, ref) < TOL[torch.bfloat16]
+        assert (lse - ref_lse).abs().max() < 1e-2
+
+
+def test_probe_check_tells_layouts_apart():
+    out, lse = torch.randn(1, 4, 40, 16), torch.randn(4, 40)
+    assert matches_reference(out, lse, out.clone(), lse.clone())
+    assert not matches_reference(out, lse.t().contiguous(), out, lse)  # the log-sum-exp transposed
+    assert not matches_reference(out.flip(2), lse, out, lse)  # rows of another query order
