@@ -3,11 +3,10 @@ of a 2K, 8K and 32K prompt, for GLM-4.5V (96 query / 8 KV heads of 128) and gpt-
 sinks; also a sliding-window layer), in several tiles; --before FILE also times another version of
 kernels/attention_prefill.py (e.g. `git show REV:kernels/attention_prefill.py > FILE`), and torch's
 SDPA on the same keys laid out contiguously (causal from the first key, so the first chunk only;
-it has no sinks) is the baseline. --flash also times torch's FlashAttention-2 on keys gathered out of
-the pages first, gather included (kernels/attention_flash.py); --cudnn cuDNN's fused attention on
-gathered keys in two parts, prefix and chunk (kernels/attention_cudnn.py). TFLOP/s count the
-causal half: 4 x queries x mean keys x heads x dim.
-    python bench/bench_prefill_attention.py [--before FILE] [--tiles 64:64:4:2,128:64:8:2,...] [--flash] [--cudnn]
+it has no sinks) is the baseline. --cudnn also times cuDNN's fused attention on keys gathered out of
+the pages, in two parts, prefix and chunk, gathers and merge included (kernels/attention_cudnn.py).
+TFLOP/s count the causal half: 4 x queries x mean keys x heads x dim.
+    python bench/bench_prefill_attention.py [--before FILE] [--tiles 64:64:4:2,128:64:8:2,...] [--cudnn]
 """
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kerne
 from kernel_checks import eager_time_ms, paged_cache, rel_err  # noqa: E402
 
 from localchat.kernels.attention_cudnn import cudnn_prefill_attention  # noqa: E402
-from localchat.kernels.attention_flash import gathered_prefill_attention  # noqa: E402
 from localchat.kernels.attention_prefill import paged_prefill_attention  # noqa: E402
 
 CASES = [("GLM-4.5V", 96, 8, 128, False, None), ("gpt-oss", 64, 8, 64, True, None),
@@ -36,7 +34,6 @@ def main() -> None:
     p.add_argument("--tiles", default="64:64:4:2,128:64:8:2,128:64:8:3,128:128:8:2,64:128:4:3,128:32:4:3")
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--prefixes", default="0,6144,30720")
-    p.add_argument("--flash", action="store_true", help="also time torch's FlashAttention-2 on gathered keys")
     p.add_argument("--cudnn", action="store_true", help="also time cuDNN's attention on gathered keys (prefix, then chunk)")
     args = p.parse_args()
     forms = []
@@ -73,15 +70,6 @@ def main() -> None:
                 first = out if first is None else first
                 print(f"  {label}: {ms * 1e3:8.0f} us  {flops / ms / 1e9:5.0f} TFLOP/s  "
                       f"(rel diff from the first form {rel_err(out, first):.1e})", flush=True)
-            if args.flash:
-                try:
-                    lens_host = lens.tolist()
-                    out = gathered_prefill_attention(*a, context_lens_host=lens_host)
-                    ms = eager_time_ms(lambda: gathered_prefill_attention(*a, context_lens_host=lens_host))
-                    print(f"  torch flash-2 on gathered keys: {ms * 1e3:8.0f} us  {flops / ms / 1e9:5.0f} TFLOP/s  "
-                          f"(rel diff from the first form {rel_err(out, first):.1e})", flush=True)
-                except Exception as e:
-                    print(f"  torch flash-2 on gathered keys: failed ({type(e).__name__}: {str(e)[:160]})")
             if args.cudnn and window is None:
                 try:
                     extra = dict(context_lens_host=lens.tolist(), query_start_host=[0, chunk])

@@ -8,13 +8,18 @@ query i sees keys <= i. A chunk's Tq queries are the last of its sequence's Tk k
 must see keys <= Tk - Tq + i. Each sequence is therefore attended in two calls: its queries
 against the cached prefix (keys 0 .. Tk-Tq-1, all of them visible: no mask) and against its own Tq
 keys (a square, where the first-key causal mask is the right one). The two partial softmaxes are
-merged through their log-sum-exps, and gpt-oss's sinks join the denominator the same way as in
-attention_flash (softmax over (scores, s) = softmax(scores) * sigmoid(lse - s)).
+merged through their log-sum-exps, and gpt-oss's sinks join the denominator through the merged one:
+a sink s of head h is one more logit with no value, so softmax over (scores, s) =
+softmax(scores) * 1 / (1 + exp(s - lse)) = softmax(scores) * sigmoid(lse - s).
 
 No window: sliding-window layers (gpt-oss, 128 keys) stay on the paged kernel, where they are short.
 `sdpa_with_lse` is the cuDNN call, `sdpa_with_lse_ref` its torch reference (same signature);
 `cudnn_prefill_attention` has paged_prefill_attention's signature plus the host-side lengths and
-the call to use. The engine keeps the paged Triton kernel until this measures faster there.
+the call to use. `cudnn_prefill_pays` says where the engine takes it over the paged Triton kernel:
+on an H100 (2026-12-06, BENCHMARKS.md "Prefill attention") it was 1.3x faster for GLM-4.5V's
+heads of 128 after 6K cached keys and 1.8x after 30K, 1.3x for gpt-oss's heads of 64 after 30K
+but slower after 6K, and slower for either with no prefix (a fixed ~0.1-0.3 ms of gathers,
+conversions and launches against one launch).
 """
 from __future__ import annotations
 
@@ -22,7 +27,6 @@ import functools
 
 import torch
 
-from .attention_flash import gather_slots, matches_reference
 
 
 def sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -43,6 +47,17 @@ def sdpa_with_lse_ref(q, k, v, causal, scale) -> tuple[torch.Tensor, torch.Tenso
         scores = scores.masked_fill(torch.ones(tq, tk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     out = torch.einsum("hts,hsd->htd", torch.softmax(scores, dim=-1), vf)
     return out[None].to(q.dtype), torch.logsumexp(scores, dim=-1)
+
+
+def gather_slots(block_tables: torch.Tensor, context_lens_host: list[int], block_size: int) -> torch.Tensor:
+    """Cache slots (block * block_size + offset) of every sequence's keys 0..len-1, packed in
+    sequence order -> [sum(lens)] int64."""
+    offsets = torch.arange(block_size, device=block_tables.device)
+    runs = []
+    for b, length in enumerate(context_lens_host):
+        blocks = -(-length // block_size)
+        runs.append((block_tables[b, :blocks].long()[:, None] * block_size + offsets).flatten()[:length])
+    return torch.cat(runs)
 
 
 def gather_heads_first(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -96,6 +111,28 @@ def cudnn_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
+# Cached keys before a sequence's chunk from which the two-part cuDNN form pays, by head size, on
+# Hopper (sm_90, where it was measured): between the measured points (a loss at 6K and a win at 30K
+# for 64, a loss at 0 and a win at 6K for 128), nearer the win, as the gain grew with the prefix.
+CUDNN_MIN_PREFIX = {128: 4096, 64: 16384}
+# Sequences a prefill batch may hold for it: each costs its own gathers and calls.
+CUDNN_MAX_SEQS = 4
+# A sequence's gathered keys and values must fit this (a transient inside the planner's
+# activation reserve): GLM-4.5V's 64K keys, gpt-oss's 128K.
+CUDNN_MAX_GATHER_BYTES = 256 << 20
+
+
+def cudnn_prefill_pays(capability: tuple[int, int], head_dim: int, kv_heads: int, element_size: int,
+                       context_lens: list[int], query_lens: list[int]) -> bool:
+    """Whether a prefill batch (per sequence: keys in all, new queries among them) goes faster
+    through cudnn_prefill_attention than through the paged kernel, by the measurements above."""
+    min_prefix = CUDNN_MIN_PREFIX.get(head_dim)
+    if capability[0] != 9 or min_prefix is None or not 0 < len(context_lens) <= CUDNN_MAX_SEQS:
+        return False
+    return all(keys - queries >= min_prefix and 2 * keys * kv_heads * head_dim * element_size <= CUDNN_MAX_GATHER_BYTES
+               for keys, queries in zip(context_lens, query_lens))
+
+
 @functools.lru_cache(maxsize=None)
 def cudnn_works(device_index: int, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether this torch runs cuDNN's attention on this GPU for this head size and dtype, with
@@ -116,3 +153,11 @@ def cudnn_works(device_index: int, head_dim: int, dtype: torch.dtype) -> bool:
         if not matches_reference(*got, *sdpa_with_lse_ref(*part)):
             return False
     return True
+
+
+def matches_reference(out: torch.Tensor, lse: torch.Tensor, ref: torch.Tensor, ref_lse: torch.Tensor) -> bool:
+    """An attention call's output and log-sum-exp against its reference's, within bf16's reach
+    (a probe's check: a wrong layout or mask is off by far more)."""
+    if lse.shape != ref_lse.shape or (lse - ref_lse).abs().max() > 1e-2:
+        return False
+    return bool(((out.float() - ref.float()).norm() / ref.float().norm()) <= 2e-2)

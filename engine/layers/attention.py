@@ -2,7 +2,9 @@
 
 CUDA runs the Triton kernels (rotary fused with the cache write, paged attention; at decode the
 rotation and the cache write ride in the attention launch itself); elsewhere their torch
-references (same signatures) run.
+references (same signatures) run. A prefill chunk after a long cached prefix on Hopper goes to
+cuDNN's fused attention on keys copied out of the pages instead (kernels/attention_cudnn.py),
+where that measured faster.
 Keys and values live in a paged cache (engine/runtime/kv_cache.py); a ForwardBatch says which slots.
 With a split cache (gpt-oss), a sliding-window layer keeps its K/V in the sliding group and reads
 that group's block tables and slots; every other layer, and every layer of a one-group cache,
@@ -12,12 +14,25 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.attention_cudnn import cudnn_prefill_attention, cudnn_prefill_pays, cudnn_works
 from ...kernels.attention_decode import paged_decode_attention, paged_decode_attention_ref, rotary_decode_attention
 from ...kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
+from ...kernels.gpu_facts import gpu_arch
 from ...kernels.rotary import apply_rotary, apply_rotary_ref
 from ..parallel.context import SINGLE, ParallelContext
 from ..spec import ModelSpec
 from .linear import concat_rows, linear
+
+
+def _takes_cudnn(q: torch.Tensor, k_cache: torch.Tensor, batch, query_lens: list[int]) -> bool:
+    """Whether this CUDA prefill batch of a full-attention layer goes through cuDNN on gathered
+    keys: long cached prefixes on a GPU where that was measured faster, and a torch that runs it."""
+    if k_cache.dtype != q.dtype or not cudnn_prefill_pays(
+            gpu_arch(q.device).capability, q.shape[-1], k_cache.shape[2], k_cache.element_size(),
+            batch.context_lens_host, query_lens):
+        return False
+    return cudnn_works(q.device.index if q.device.index is not None else torch.cuda.current_device(),
+                       q.shape[-1], q.dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
@@ -35,7 +50,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         decode = paged_decode_attention if on_gpu else paged_decode_attention_ref
         return decode(q, k_cache, v_cache, tables, lens, scale, sinks, window)
     starts = batch.query_start_host
-    longest = max(b - a for a, b in zip(starts, starts[1:]))
+    query_lens = [b - a for a, b in zip(starts, starts[1:])]
+    longest = max(query_lens)
+    if on_gpu and window is None and _takes_cudnn(q, k_cache, batch, query_lens):
+        return cudnn_prefill_attention(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks,
+                                       context_lens_host=batch.context_lens_host, query_start_host=starts)
     prefill = paged_prefill_attention if on_gpu else paged_prefill_attention_ref
     return prefill(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks, window)
 

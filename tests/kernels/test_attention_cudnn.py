@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from kernel_checks import TOL, cuda_time_us, paged_cache, rel_err
-from localchat.kernels.attention_cudnn import (cudnn_prefill_attention, cudnn_works, gather_heads_first,
+from localchat.kernels.attention_cudnn import (cudnn_prefill_attention, cudnn_prefill_pays, cudnn_works,
+                                               gather_heads_first, gather_slots, matches_reference,
                                                prefix_and_chunk_attention, sdpa_with_lse, sdpa_with_lse_ref)
-from localchat.kernels.attention_flash import matches_reference
 from localchat.kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,6 +46,12 @@ def test_reference_causal_mask_is_aligned_to_the_first_key():
     q, k, v = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
     out, _ = sdpa_with_lse_ref(q, k, v, True, 1.0)
     assert torch.allclose(out[0, 0, 0], v[0, 0, 0])  # the first query sees the first key only
+
+
+def test_gather_slots_follow_each_table():
+    tables = torch.tensor([[5, 2, 9], [7, 1, 0]], dtype=torch.int32)
+    slots = gather_slots(tables, [10, 3], 4)
+    assert slots.tolist() == [20, 21, 22, 23, 8, 9, 10, 11, 36, 37, 28, 29, 30]
 
 
 def test_gather_heads_first_follows_strides():
@@ -101,3 +107,20 @@ def test_probe_check_tells_layouts_apart():
     assert matches_reference(out, lse, out.clone(), lse.clone())
     assert not matches_reference(out, lse.t().contiguous(), out, lse)  # the log-sum-exp transposed
     assert not matches_reference(out.flip(2), lse, out, lse)  # rows of another query order
+
+
+def test_cudnn_taken_only_where_measured_faster():
+    hopper, ampere = (9, 0), (8, 0)
+    # GLM-4.5V: heads of 128, 8 KV heads, bf16; a 2048-token chunk after 6K / 1K cached keys
+    assert cudnn_prefill_pays(hopper, 128, 8, 2, [8192], [2048])
+    assert not cudnn_prefill_pays(hopper, 128, 8, 2, [3072], [2048])
+    assert not cudnn_prefill_pays(ampere, 128, 8, 2, [8192], [2048])  # not measured there
+    # gpt-oss: heads of 64; lost after 6K, won after 30K
+    assert not cudnn_prefill_pays(hopper, 64, 8, 2, [8192], [2048])
+    assert cudnn_prefill_pays(hopper, 64, 8, 2, [32768], [2048])
+    # every sequence must have its long prefix, and not too many of them
+    assert not cudnn_prefill_pays(hopper, 128, 8, 2, [8192, 2100], [2048, 2048])
+    assert not cudnn_prefill_pays(hopper, 128, 8, 2, [8192] * 5, [400] * 5)
+    # a gather over the transient's bound (GLM-4.5V past 64K keys) stays paged
+    assert not cudnn_prefill_pays(hopper, 128, 8, 2, [70000], [2048])
+    assert not cudnn_prefill_pays(hopper, 96, 8, 2, [32768], [2048])  # a head size never timed
