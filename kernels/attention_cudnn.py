@@ -28,7 +28,6 @@ import functools
 import torch
 
 
-
 def sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [1, Hq, Tq, D], k/v [1, Hkv, Tk, D] (Hkv divides Hq); causal: query i sees keys <= i.
@@ -112,8 +111,8 @@ def cudnn_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 # Cached keys before a sequence's chunk from which the two-part cuDNN form pays, by head size, on
-# Hopper (sm_90, where it was measured): between the measured points (a loss at 6K and a win at 30K
-# for 64, a loss at 0 and a win at 6K for 128), nearer the win, as the gain grew with the prefix.
+# Hopper (sm_90, where it was measured), each between a measured loss and a measured win (64: 6K
+# and 30K; 128: 0 and 6K) and past where a straight line through them breaks even (~12.6K; ~1K).
 CUDNN_MIN_PREFIX = {128: 4096, 64: 16384}
 # Sequences a prefill batch may hold for it: each costs its own gathers and calls.
 CUDNN_MAX_SEQS = 4
