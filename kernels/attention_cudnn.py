@@ -27,6 +27,8 @@ import functools
 
 import torch
 
+from .attention_decode import masked_scores_ref
+
 
 def sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,32 +40,22 @@ def sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def sdpa_with_lse_ref(q, k, v, causal, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    group = q.shape[1] // k.shape[1]
-    kf, vf = (x[0].float().repeat_interleave(group, dim=0) for x in (k, v))
-    scores = torch.einsum("htd,hsd->hts", q[0].float(), kf) * scale
-    if causal:
-        tq, tk = scores.shape[1:]
-        scores = scores.masked_fill(torch.ones(tq, tk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    tq, tk = q.shape[2], k.shape[2]
+    # a query at position p sees keys j <= p: the first-key causal mask puts query i at i, no mask at the last key
+    positions = torch.arange(tq, device=q.device) if causal else torch.full((tq,), tk - 1, device=q.device)
+    scores = masked_scores_ref(q[0].transpose(0, 1), k[0].transpose(0, 1), positions, scale, None)
+    vf = v[0].float().repeat_interleave(q.shape[1] // k.shape[1], dim=0)
     out = torch.einsum("hts,hsd->htd", torch.softmax(scores, dim=-1), vf)
     return out[None].to(q.dtype), torch.logsumexp(scores, dim=-1)
 
 
-def gather_slots(block_tables: torch.Tensor, context_lens_host: list[int], block_size: int) -> torch.Tensor:
-    """Cache slots (block * block_size + offset) of every sequence's keys 0..len-1, packed in
-    sequence order -> [sum(lens)] int64."""
-    offsets = torch.arange(block_size, device=block_tables.device)
-    runs = []
-    for b, length in enumerate(context_lens_host):
-        blocks = -(-length // block_size)
-        runs.append((block_tables[b, :blocks].long()[:, None] * block_size + offsets).flatten()[:length])
-    return torch.cat(runs)
-
-
-def gather_heads_first(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, Hkv, D] (any strides), slots [S] -> [1, Hkv, S, D]
-    contiguous: the layout the attention call takes, in one gather."""
+def gather_heads_first(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """cache [num_blocks, block_size, Hkv, D] (any strides), one sequence's block table [max_blocks]
+    -> its keys 0..length-1 as [1, Hkv, length, D] contiguous: gather_paged's keys in the layout the
+    attention call takes, in one gather."""
     block_size = cache.shape[1]
-    return cache.permute(2, 0, 1, 3)[:, slots // block_size, slots % block_size][None]
+    j = torch.arange(length, device=cache.device)
+    return cache.permute(2, 0, 1, 3)[:, table.long()[j // block_size], j % block_size][None]
 
 
 def prefix_and_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -96,13 +88,11 @@ def cudnn_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if window is not None:
         raise ValueError("cudnn_prefill_attention has no sliding window; such layers take the paged kernel")
     out = torch.empty_like(q)
-    block_size = k_cache.shape[1]
     for b, length in enumerate(context_lens_host):
         start, end = query_start_host[b], query_start_host[b + 1]
         if end == start:
             continue
-        slots = gather_slots(block_tables[b:b + 1], [length], block_size)
-        k, v = gather_heads_first(k_cache, slots), gather_heads_first(v_cache, slots)
+        k, v = (gather_heads_first(cache, block_tables[b], length) for cache in (k_cache, v_cache))
         rows, lse = prefix_and_chunk_attention(q[start:end], k, v, scale, attend)
         if sinks is not None:
             rows = rows * torch.sigmoid(lse - sinks.float()[:, None]).t()[:, :, None]

@@ -6,8 +6,9 @@ import torch
 
 from kernel_checks import TOL, cuda_time_us, paged_cache, rel_err
 from localchat.kernels.attention_cudnn import (cudnn_prefill_attention, cudnn_prefill_pays, cudnn_works,
-                                               gather_heads_first, gather_slots, matches_reference,
+                                               gather_heads_first, matches_reference,
                                                prefix_and_chunk_attention, sdpa_with_lse, sdpa_with_lse_ref)
+from localchat.kernels.attention_decode import gather_paged
 from localchat.kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -48,19 +49,21 @@ def test_reference_causal_mask_is_aligned_to_the_first_key():
     assert torch.allclose(out[0, 0, 0], v[0, 0, 0])  # the first query sees the first key only
 
 
-def test_gather_slots_follow_each_table():
-    tables = torch.tensor([[5, 2, 9], [7, 1, 0]], dtype=torch.int32)
-    slots = gather_slots(tables, [10, 3], 4)
-    assert slots.tolist() == [20, 21, 22, 23, 8, 9, 10, 11, 36, 37, 28, 29, 30]
+def test_gather_heads_first_follows_each_table():
+    cache = torch.randn(10, 4, 3, 8)
+    for table, length in (([5, 2, 9], 10), ([7, 1, 0], 3)):
+        got = gather_heads_first(cache, torch.tensor(table, dtype=torch.int32), length)
+        assert torch.equal(got[0].transpose(0, 1), gather_paged(cache, torch.tensor(table), length))
 
 
 def test_gather_heads_first_follows_strides():
     whole = torch.randn(6, 2, 4, 3, 8)
     cache = whole[:, 1]  # one layer's view into a larger allocation
-    slots = torch.tensor([0, 5, 4, 23, 9])
-    got = gather_heads_first(cache, slots)
-    assert got.shape == (1, 3, 5, 8) and got.is_contiguous()
-    assert torch.equal(got[0].transpose(0, 1), torch.stack([cache[s // 4, s % 4] for s in slots.tolist()]))
+    table = torch.tensor([0, 5, 4, 2])
+    got = gather_heads_first(cache, table, 13)
+    assert got.shape == (1, 3, 13, 8) and got.is_contiguous()
+    expect = torch.stack([cache[table[j // 4], j % 4] for j in range(13)])
+    assert torch.equal(got[0].transpose(0, 1), expect)
 
 
 def test_window_is_refused():
