@@ -4,9 +4,12 @@ sinks; also a sliding-window layer), in several tiles; --before FILE also times 
 kernels/attention_prefill.py (e.g. `git show REV:kernels/attention_prefill.py > FILE`), and torch's
 SDPA on the same keys laid out contiguously (causal from the first key, so the first chunk only;
 it has no sinks) is the baseline. --cudnn also times cuDNN's fused attention on keys gathered out of
-the pages, in two parts, prefix and chunk, gathers and merge included (kernels/attention_cudnn.py).
+the pages, in two parts, prefix and chunk, gathers and merge included (kernels/attention_cudnn.py),
+and with no prefix also on the chunk's own keys where the engine has them (no gather).
+--chunks sets the queries (several: each timed over every prefix).
 TFLOP/s count the causal half: 4 x queries x mean keys x heads x dim.
     python bench/bench_prefill_attention.py [--before FILE] [--tiles 64:64:4:2,128:64:8:2,...] [--cudnn]
+    python bench/bench_prefill_attention.py --tiles "" --cudnn --chunks 256,1024,2048 --prefixes 0,2048,4096
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--before")
     p.add_argument("--tiles", default="64:64:4:2,128:64:8:2,128:64:8:3,128:128:8:2,64:128:4:3,128:32:4:3")
-    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--chunks", default="2048")
     p.add_argument("--prefixes", default="0,6144,30720")
     p.add_argument("--cudnn", action="store_true", help="also time cuDNN's attention on gathered keys (prefix, then chunk)")
     args = p.parse_args()
@@ -47,46 +50,56 @@ def main() -> None:
         bm, bn, w, s = (int(v) for v in t.split(":"))
         forms.append((f"{bm}x{bn} w{w} s{s}", lambda *a, bm=bm, bn=bn, w=w, s=s: paged_prefill_attention(
             *a, block_m=bm, block_n=bn, num_warps=w, num_stages=s)))
-    chunk = args.chunk
-    for name, hq, hkv, d, sinks, window in CASES:
-        for prefix in (int(v) for v in args.prefixes.split(",")):
-            ctx = prefix + chunk
-            k, v, tables, lens = paged_cache([ctx], hkv, d, 16, torch.bfloat16)
-            cu = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
-            q = torch.randn(chunk, hq, d, device="cuda", dtype=torch.bfloat16)
-            s = torch.randn(hq, device="cuda") if sinks else None
-            a = (q, k, v, tables, lens, cu, chunk, d ** -0.5, s, window)
-            keys = prefix + chunk / 2 if window is None else min(window, ctx)
-            flops = 4 * chunk * keys * hq * d
-            print(f"{name}, {chunk} queries after {prefix} keys:", flush=True)
-            first = None
-            for label, fn in forms:
-                try:
-                    out = fn(*a)
-                    ms = eager_time_ms(lambda: fn(*a))
-                except Exception as e:  # a tile over this GPU's shared memory, say
-                    print(f"  {label}: failed ({type(e).__name__}: {str(e)[:100]})")
-                    continue
-                first = out if first is None else first
-                print(f"  {label}: {ms * 1e3:8.0f} us  {flops / ms / 1e9:5.0f} TFLOP/s  "
+    cases = [(c, int(chunk), prefix) for c in CASES for chunk in args.chunks.split(",")
+             for prefix in (int(v) for v in args.prefixes.split(","))]
+    for (name, hq, hkv, d, sinks, window), chunk, prefix in cases:
+        ctx = prefix + chunk
+        k, v, tables, lens = paged_cache([ctx], hkv, d, 16, torch.bfloat16)
+        cu = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
+        q = torch.randn(chunk, hq, d, device="cuda", dtype=torch.bfloat16)
+        s = torch.randn(hq, device="cuda") if sinks else None
+        a = (q, k, v, tables, lens, cu, chunk, d ** -0.5, s, window)
+        keys = prefix + chunk / 2 if window is None else min(window, ctx)
+        flops = 4 * chunk * keys * hq * d
+        print(f"{name}, {chunk} queries after {prefix} keys:", flush=True)
+        first = None
+        for label, fn in forms:
+            try:
+                out = fn(*a)
+                ms = eager_time_ms(lambda: fn(*a))
+            except Exception as e:  # a tile over this GPU's shared memory, say
+                print(f"  {label}: failed ({type(e).__name__}: {str(e)[:100]})")
+                continue
+            first = out if first is None else first
+            print(f"  {label}: {ms * 1e3:8.0f} us  {flops / ms / 1e9:5.0f} TFLOP/s  "
+                  f"(rel diff from the first form {rel_err(out, first):.1e})", flush=True)
+        if args.cudnn and window is None:
+            try:
+                extra = dict(context_lens_host=lens.tolist(), query_start_host=[0, chunk])
+                out = cudnn_prefill_attention(*a, **extra)
+                ms = eager_time_ms(lambda: cudnn_prefill_attention(*a, **extra))
+                print(f"  cuDNN on gathered keys, two parts: {ms * 1e3:8.0f} us  {flops / ms / 1e9:5.0f} TFLOP/s  "
                       f"(rel diff from the first form {rel_err(out, first):.1e})", flush=True)
-            if args.cudnn and window is None:
-                try:
-                    extra = dict(context_lens_host=lens.tolist(), query_start_host=[0, chunk])
-                    out = cudnn_prefill_attention(*a, **extra)
-                    ms = eager_time_ms(lambda: cudnn_prefill_attention(*a, **extra))
-                    print(f"  cuDNN on gathered keys, two parts: {ms * 1e3:8.0f} us  {flops / ms / 1e9:5.0f} TFLOP/s  "
-                          f"(rel diff from the first form {rel_err(out, first):.1e})", flush=True)
-                except Exception as e:
-                    print(f"  cuDNN on gathered keys, two parts: failed ({type(e).__name__}: {str(e)[:160]})")
-            if prefix == 0 and window is None:
-                pages = tables[0, : ctx // 16].long()
-                kc = k[pages].reshape(ctx, hkv, d).transpose(0, 1)[None]
-                vc = v[pages].reshape(ctx, hkv, d).transpose(0, 1)[None]
-                qs = q.transpose(0, 1)[None]
-                ms = eager_time_ms(lambda: F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, enable_gqa=True))
-                print(f"  torch SDPA (contiguous keys, no sinks): {ms * 1e3:8.0f} us  {flops / ms / 1e9:5.0f} TFLOP/s",
-                      flush=True)
+            except Exception as e:
+                print(f"  cuDNN on gathered keys, two parts: failed ({type(e).__name__}: {str(e)[:160]})")
+        if args.cudnn and window is None and prefix == 0:
+            pages = tables[0, : -(-ctx // 16)].long()
+            own = [x[pages].flatten(0, 1)[:ctx] for x in (k, v)]  # [T, Hkv, D], as the layer holds them
+            extra = dict(context_lens_host=lens.tolist(), query_start_host=[0, chunk],
+                         new_keys=own[0], new_values=own[1])
+            out = cudnn_prefill_attention(*a, **extra)
+            ms = eager_time_ms(lambda: cudnn_prefill_attention(*a, **extra))
+            print(f"  cuDNN on the chunk's own keys (no gather): {ms * 1e3:8.0f} us  "
+                  f"{flops / ms / 1e9:5.0f} TFLOP/s  (rel diff from the first form {rel_err(out, first):.1e})",
+                  flush=True)
+        if prefix == 0 and window is None:
+            pages = tables[0, : -(-ctx // 16)].long()
+            kc = k[pages].flatten(0, 1)[:ctx].transpose(0, 1)[None].contiguous()
+            vc = v[pages].flatten(0, 1)[:ctx].transpose(0, 1)[None].contiguous()
+            qs = q.transpose(0, 1)[None]
+            ms = eager_time_ms(lambda: F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, enable_gqa=True))
+            print(f"  torch SDPA (contiguous keys, no sinks): {ms * 1e3:8.0f} us  {flops / ms / 1e9:5.0f} TFLOP/s",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """Where one decode step's GPU time goes: the kernels of an eager decode step of a registered
 model (full width, a few layers, random weights), grouped by name, with counts per layer;
---prefill N profiles the prefill of one N-token prompt instead.
+--prefill N profiles the prefill of one N-token prompt instead (--context C: a chunk of N after
+C cached tokens, as a long prompt's later chunks run; --no-cudnn keeps such a chunk's attention on
+the paged kernel instead of cuDNN's).
     python bench/profile_step.py gpt-oss-120b --layers 4 --batch 1
     python bench/profile_step.py glm-4.5v-fp8 --layers 4 --prefill 2048
+    python bench/profile_step.py glm-4.5v-fp8 --layers 4 --prefill 2048 --context 30720 [--no-cudnn]
 """
 import argparse
 
@@ -10,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from localchat.app.bench import dummy_model
+from localchat.engine.layers import attention as attention_layer
 from localchat.engine.runtime.forward_batch import ForwardBatch
 from localchat.engine.runtime.kv_cache import PagedKVCache
 
@@ -17,22 +21,27 @@ p = argparse.ArgumentParser()
 p.add_argument("models")
 p.add_argument("--layers", type=int, default=4)
 p.add_argument("--batch", type=int, default=1)
-p.add_argument("--context", type=int, default=512)
+p.add_argument("--context", type=int, default=None,
+               help="tokens already cached per sequence (default: 512 for a decode step, 0 for a prefill)")
 p.add_argument("--trace", action="store_true", help="also list the step's kernels in launch order")
 p.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
+p.add_argument("--no-cudnn", action="store_true", help="prefill attention on the paged kernel even after a long prefix")
 args = p.parse_args()
+if args.no_cudnn:
+    attention_layer._takes_cudnn = lambda *a, **k: False
 for name in args.models.split(","):
     spec, _, model = dummy_model(name, args.layers)
     prompt = args.prefill
     seqs, new = (1, prompt) if prompt else (args.batch, 1)
-    blocks = -(-(args.context + new) // 16)
+    cached = args.context if args.context is not None else (0 if prompt else 512)
+    blocks = -(-(cached + new) // 16)
     cache = PagedKVCache(spec.num_layers, blocks * seqs, 16, spec.num_kv_heads, spec.head_dim,
                          torch.bfloat16, "cuda")
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(seqs)]
-    pos = torch.arange(prompt) if prompt else torch.full((seqs,), args.context)
+    pos = torch.arange(cached, cached + prompt) if prompt else torch.full((seqs,), cached)
     if spec.family == "glm4v_moe":
         pos = pos.expand(3, -1)
-    batch = ForwardBatch.build([(t, 0 if prompt else args.context, new) for t in tables], pos, 16, "cuda")
+    batch = ForwardBatch.build([(t, cached, new) for t in tables], pos, 16, "cuda")
     ids = torch.randint(1000, 100000, (seqs * new,), device="cuda")
 
     def step():  # a prefill's logits are the last token's only, as the engine takes them
@@ -50,6 +59,7 @@ for name in args.models.split(","):
     rows.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in rows)
     what = f"a {prompt}-token prefill" if prompt else f"batch {args.batch}"
+    what += f" after {cached} cached tokens" if cached else ""
     print(f"{name}: {args.layers} layers, {what}: {sum(e.count for e in rows)} kernels, "
           f"{total:.0f} us of kernel time in one eager step")
     for e in rows[:25]:

@@ -8,9 +8,9 @@ query i sees keys <= i. A chunk's Tq queries are the last of its sequence's Tk k
 must see keys <= Tk - Tq + i. Each sequence is therefore attended in two calls: its queries
 against the cached prefix (keys 0 .. Tk-Tq-1, all of them visible: no mask) and against its own Tq
 keys (a square, where the first-key causal mask is the right one). The two partial softmaxes are
-merged through their log-sum-exps, and gpt-oss's sinks join the denominator through the merged one:
-a sink s of head h is one more logit with no value, so softmax over (scores, s) =
-softmax(scores) * 1 / (1 + exp(s - lse)) = softmax(scores) * sigmoid(lse - s).
+merged through their log-sum-exps in one pass that also adds gpt-oss's sinks to the denominator
+and writes the output's rows (kernels/attention_merge.py). The keys are copied out of the pages
+whole (one gather of rows a sequence) and handed to cuDNN with their heads strided, not transposed.
 
 No window: sliding-window layers (gpt-oss, 128 keys) stay on the paged kernel, where they are short.
 `sdpa_with_lse` is the cuDNN call, `sdpa_with_lse_ref` its torch reference (same signature);
@@ -28,6 +28,7 @@ import functools
 import torch
 
 from .attention_decode import masked_scores_ref
+from .attention_merge import merge_attention_parts
 
 
 def sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -49,42 +50,43 @@ def sdpa_with_lse_ref(q, k, v, causal, scale) -> tuple[torch.Tensor, torch.Tenso
     return out[None].to(q.dtype), torch.logsumexp(scores, dim=-1)
 
 
-def gather_heads_first(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+def gather_keys(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
     """cache [num_blocks, block_size, Hkv, D] (any strides), one sequence's block table [max_blocks]
-    -> its keys 0..length-1 as [1, Hkv, length, D] contiguous: gather_paged's keys in the layout the
-    attention call takes, in one gather."""
-    block_size = cache.shape[1]
-    j = torch.arange(length, device=cache.device)
-    return cache.permute(2, 0, 1, 3)[:, table.long()[j // block_size], j % block_size][None]
+    -> its keys 0..length-1 as [1, Hkv, length, D]: the sequence's whole pages copied out in one
+    gather of rows, seen heads-first without a second copy (the attention call takes the strides)."""
+    pages = -(-length // cache.shape[1])
+    rows = cache.index_select(0, table[:pages])
+    return rows.flatten(0, 1)[:length].transpose(0, 1)[None]
 
 
-def prefix_and_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                               attend=sdpa_with_lse) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_in_two_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attend=sdpa_with_lse):
     """One sequence: q [Tq, Hq, D] at the last Tq of the Tk key positions in k/v [1, Hkv, Tk, D].
-    Returns (out [Tq, Hq, D] float32, lse [Hq, Tq] float32)."""
+    Returns the parts merge_attention_parts takes: ((out [Tq, Hq, D], lse [Hq, Tq]) over the chunk's
+    own keys, causal; the same over the cached prefix, unmasked, or None without one)."""
     prefix = k.shape[2] - q.shape[0]
     q4 = q.transpose(0, 1)[None]
-    out, lse = attend(q4, k[:, :, prefix:], v[:, :, prefix:], True, scale)
-    out = out[0].float()
-    if prefix > 0:
-        out_p, lse_p = attend(q4, k[:, :, :prefix], v[:, :, :prefix], False, scale)
-        total = torch.logaddexp(lse, lse_p)
-        own = torch.exp(lse - total)[:, :, None]  # the chunk keys' share of the softmax mass
-        out = out * own + out_p[0].float() * (1 - own)
-        lse = total
-    return out.transpose(0, 1), lse
+    own, own_lse = attend(q4, k[:, :, prefix:], v[:, :, prefix:], True, scale)
+    if prefix == 0:
+        return (own[0].transpose(0, 1), own_lse), None
+    cached, cached_lse = attend(q4, k[:, :, :prefix], v[:, :, :prefix], False, scale)
+    return (own[0].transpose(0, 1), own_lse), (cached[0].transpose(0, 1), cached_lse)
 
 
 def cudnn_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             max_q_len: int, scale: float, sinks: torch.Tensor | None = None,
                             window: int | None = None, *, context_lens_host: list[int],
-                            query_start_host: list[int], attend=sdpa_with_lse) -> torch.Tensor:
+                            query_start_host: list[int], new_keys: torch.Tensor | None = None,
+                            new_values: torch.Tensor | None = None, attend=sdpa_with_lse,
+                            merge=merge_attention_parts) -> torch.Tensor:
     """As paged_prefill_attention (q [Tq, Hq, D] packed by cu_seqlens_q [B+1] int32, caches
     [num_blocks, block_size, Hkv, D], block_tables [B, max_blocks], context_lens [B] int32), with
     the query starts and context lengths also on the host; no window. Each sequence's keys are
     copied out of the pages, then attended by `attend` (sdpa_with_lse or its reference) in the
-    two parts above. Returns [Tq, Hq, D] in q.dtype."""
+    two parts above and merged by `merge` (merge_attention_parts or its reference) into the
+    output's rows. new_keys, new_values [Tq, Hkv, D] (packed as q, D contiguous): the keys and
+    values the chunk just wrote to the cache; a sequence with no cached prefix attends them where
+    they are, with nothing to gather. Returns [Tq, Hq, D] in q.dtype."""
     if window is not None:
         raise ValueError("cudnn_prefill_attention has no sliding window; such layers take the paged kernel")
     out = torch.empty_like(q)
@@ -92,11 +94,12 @@ def cudnn_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         start, end = query_start_host[b], query_start_host[b + 1]
         if end == start:
             continue
-        k, v = (gather_heads_first(cache, block_tables[b], length) for cache in (k_cache, v_cache))
-        rows, lse = prefix_and_chunk_attention(q[start:end], k, v, scale, attend)
-        if sinks is not None:
-            rows = rows * torch.sigmoid(lse - sinks.float()[:, None]).t()[:, :, None]
-        out[start:end] = rows.to(q.dtype)
+        if new_keys is not None and length == end - start:
+            k, v = (x[start:end].transpose(0, 1)[None] for x in (new_keys, new_values))
+        else:
+            k, v = (gather_keys(cache, block_tables[b], length) for cache in (k_cache, v_cache))
+        own, cached = attend_in_two_parts(q[start:end], k, v, scale, attend)
+        merge(out[start:end], *own, *(cached or (None, None)), sinks)
     return out
 
 
@@ -131,10 +134,13 @@ def cudnn_works(device_index: int, head_dim: int, dtype: torch.dtype) -> bool:
     gen = torch.Generator(device=dev).manual_seed(0)
     # queries as the engine passes them: [T, Hq, D] rows seen heads-first
     q = torch.randn(40, 4, head_dim, device=dev, generator=gen).to(dtype).transpose(0, 1)[None]
-    k = torch.randn(1, 2, 72, head_dim, device=dev, generator=gen).to(dtype)
-    v = torch.randn(1, 2, 72, head_dim, device=dev, generator=gen).to(dtype)
-    for keys, causal in ((72, False), (40, True)):
-        part = (q, k[:, :, :keys], v[:, :, :keys], causal, head_dim ** -0.5)
+    # keys and values as the engine passes them: rows of [T, Hkv, D] seen heads-first, each row
+    # possibly a slice of a wider one (the fused q/k/v projection's values); the unmasked part
+    # from the first key, the causal one a view starting further in
+    rows = torch.randn(72, 5, head_dim, device=dev, generator=gen).to(dtype)
+    k, v = rows[:, 1:3].transpose(0, 1)[None], rows[:, 3:5].transpose(0, 1)[None]
+    for keys, causal in ((slice(0, 72), False), (slice(32, 72), True)):
+        part = (q, k[:, :, keys], v[:, :, keys], causal, head_dim ** -0.5)
         try:
             got = sdpa_with_lse(*part)
         except (RuntimeError, NotImplementedError, TypeError):

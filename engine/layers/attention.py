@@ -37,12 +37,14 @@ def _takes_cudnn(q: torch.Tensor, k_cache: torch.Tensor, batch, query_lens: list
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
                     scale: float, sinks: torch.Tensor | None = None, window: int | None = None,
-                    tables: torch.Tensor | None = None) -> torch.Tensor:
+                    tables: torch.Tensor | None = None, new_keys: torch.Tensor | None = None,
+                    new_values: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] packed over the batch's sequences; k_cache, v_cache [blocks, block_size,
     Hkv, D]; tables [B, max_blocks] (default: batch.block_tables). Each sequence's new tokens are
     the last ones of its context. Returns [T, Hq, D]. A query at position p sees keys j <= p
     (and p - window < j with a window); a sink adds exp(sinks[h]) to head h's softmax
-    denominator without a value."""
+    denominator without a value. new_keys, new_values [T, Hkv, D]: the batch's keys and values
+    as just written to the cache, which a prefill may read from there instead."""
     on_gpu = q.is_cuda
     tables = batch.block_tables if tables is None else tables
     lens = batch.context_lens
@@ -54,7 +56,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     longest = max(query_lens)
     if on_gpu and window is None and _takes_cudnn(q, k_cache, batch, query_lens):
         return cudnn_prefill_attention(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks,
-                                       context_lens_host=batch.context_lens_host, query_start_host=starts)
+                                       context_lens_host=batch.context_lens_host, query_start_host=starts,
+                                       new_keys=new_keys, new_values=new_values)
     prefill = paged_prefill_attention if on_gpu else paged_prefill_attention_ref
     return prefill(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks, window)
 
@@ -104,6 +107,6 @@ class SelfAttention:
         else:
             # one pass rotates q and k and stores the new keys and values in the paged cache
             rotary = apply_rotary if x.is_cuda else apply_rotary_ref
-            q, _ = rotary(q, k, cos, sin, v, k_cache, v_cache, slots)
-            out = paged_attention(q, k_cache, v_cache, batch, self.scale, self.sinks, self.window, tables)
+            q, k = rotary(q, k, cos, sin, v, k_cache, v_cache, slots)
+            out = paged_attention(q, k_cache, v_cache, batch, self.scale, self.sinks, self.window, tables, k, v)
         return linear(out.reshape(t, -1), self.o, self.o_b)

@@ -206,3 +206,57 @@ def test_kernels_match_their_references_inside_the_model(config):
     errors = [rel_err(a, b) for a, b in zip(got, ref)]
     print(f"{config}: kernels vs references, same routing: logits rel err {[f'{e:.1e}' for e in errors]}")
     assert max(errors) < TOLERANCE[config]
+
+
+def prefill_in_two_chunks(model, spec, prompt: torch.Tensor, split: int, dtype, device="cuda") -> torch.Tensor:
+    """Prefills `prompt` as the engine does a long one: its first `split` tokens, then the rest
+    as a second chunk after them. Returns the second chunk's logits [len - split, vocab]."""
+    blocks = -(-len(prompt) // BLOCK)
+    cache = PagedKVCache(spec.num_layers, blocks, BLOCK, spec.num_kv_heads, spec.head_dim, dtype, device)
+    table = list(range(blocks))
+    ids = prompt.to(device)
+    rope = model.rope_positions(ids, None)[0] if spec.family == "glm4v_moe" else torch.arange(len(prompt))
+    for start, end in ((0, split), (split, len(prompt))) if split else ((0, len(prompt)),):
+        batch = ForwardBatch.build([(table, start, end - start)], rope[..., start:end], BLOCK, device)
+        h = model.forward(model.embed(ids[start:end]).to(dtype), batch, cache)
+    return model.logits(h).float().cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config, prefix", [("glm-4.5v.json", 4200), ("gpt-oss-20b.json", 16500)])
+def test_long_prefix_chunk_goes_through_cudnn(config, prefix):
+    """A prompt's chunk after a long cached prefix takes cuDNN's attention on gathered keys in
+    every full-attention layer (engine/layers/attention.py), and its logits match the same chunk
+    through the paged Triton kernel."""
+    from localchat.engine.layers import attention as attention_layer
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the engine takes cuDNN's prefill attention on Hopper only")
+    spec = truncated_spec(config)
+    model = build_model(spec, dummy_weights(spec, device="cuda", dtype=torch.bfloat16, seed=3), "cuda")
+    prompt = torch.randint(0, 20000, (prefix + 300,), generator=torch.Generator().manual_seed(2))
+    calls = []
+    through_cudnn = attention_layer.cudnn_prefill_attention
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["context_lens_host"])
+        return through_cudnn(*args, **kwargs)
+
+    saved_takes = attention_layer._takes_cudnn
+    try:
+        attention_layer.cudnn_prefill_attention = counted
+        with torch.inference_mode(), recorded_routing() as routes:
+            got = prefill_in_two_chunks(model, spec, prompt, prefix, torch.bfloat16)
+        attention_layer._takes_cudnn = lambda *a, **k: False
+        with torch.inference_mode(), recorded_routing(spec, replay=routes):
+            ref = prefill_in_two_chunks(model, spec, prompt, prefix, torch.bfloat16)
+    finally:
+        attention_layer.cudnn_prefill_attention = through_cudnn
+        attention_layer._takes_cudnn = saved_takes
+    full_layers = sum(t != "sliding" for t in spec.layer_types)
+    assert calls == [[len(prompt)]] * full_layers  # the second chunk only, every full-attention layer
+    err = rel_err(got, ref)
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"{config}: 300 queries after {prefix} cached keys, cuDNN vs paged kernel: logits rel err {err:.1e}, "
+          f"argmax agrees on {agree:.1%} of rows")
+    assert err < TOLERANCE[config]

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from kernel_checks import TOL, cuda_time_us, paged_cache, rel_err
-from localchat.kernels.attention_cudnn import (cudnn_prefill_attention, cudnn_prefill_pays, cudnn_works,
-                                               gather_heads_first, matches_reference,
-                                               prefix_and_chunk_attention, sdpa_with_lse, sdpa_with_lse_ref)
+from localchat.kernels.attention_cudnn import (attend_in_two_parts, cudnn_prefill_attention, cudnn_prefill_pays,
+                                               cudnn_works, gather_keys, matches_reference, sdpa_with_lse,
+                                               sdpa_with_lse_ref)
 from localchat.kernels.attention_decode import gather_paged
+from localchat.kernels.attention_merge import merge_attention_parts, merge_attention_parts_ref
 from localchat.kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -23,24 +24,56 @@ def _case(ctx_lens, q_lens, hkv, group, d, dtype, sinks, block_size=8):
     return (q, k, v, tables, ctx, cu, max(q_lens), d ** -0.5, s), starts
 
 
+def _new_keys(args, starts):
+    """The chunk's keys and values [Tq, Hkv, D] as the layer holds them after the cache write:
+    each sequence's last query-count positions, as slices of wider rows (the fused projection)."""
+    k_cache, v_cache, tables, lens = args[1], args[2], args[3], args[4].tolist()
+    rows = []
+    for b, n in enumerate(lens):
+        new = starts[b + 1] - starts[b]
+        rows.append(torch.cat([gather_paged(c, tables[b], n)[n - new:] for c in (k_cache, v_cache)], dim=1))
+    wide = torch.cat(rows)  # [Tq, 2 Hkv, D]
+    hkv = k_cache.shape[2]
+    return wide[:, :hkv], wide[:, hkv:]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("sinks", [False, True])
-def test_two_part_matches_paged_reference(dtype, sinks):
+@pytest.mark.parametrize("merge", [merge_attention_parts, merge_attention_parts_ref], ids=["kernel", "ref"])
+@pytest.mark.parametrize("own_keys", [False, True], ids=["gathered", "own-keys"])
+def test_two_part_matches_paged_reference(dtype, sinks, merge, own_keys):
     # a cached prefix of 16; none; one token after 4; a prefix of 61 over a page boundary; an idle slot
     args, starts = _case([37, 20, 5, 100, 9], [21, 20, 1, 39, 0], hkv=2, group=3, d=32, dtype=dtype, sinks=sinks)
+    extra = dict(zip(("new_keys", "new_values"), _new_keys(args, starts))) if own_keys else {}
     out = cudnn_prefill_attention(*args, None, context_lens_host=args[4].tolist(), query_start_host=starts,
-                                  attend=sdpa_with_lse_ref)
+                                  attend=sdpa_with_lse_ref, merge=merge, **extra)
     assert rel_err(out, paged_prefill_attention_ref(*args, None)) < TOL[dtype]
+
+
+def test_a_fresh_prompt_reads_its_own_keys_not_the_cache():
+    # with no cached prefix the chunk's keys are taken where the layer holds them: a cache
+    # holding other keys must not change the output
+    args, starts = _case([20], [20], hkv=2, group=2, d=16, dtype=torch.float32, sinks=False)
+    own_k, own_v = _new_keys(args, starts)
+    expect = cudnn_prefill_attention(*args, None, context_lens_host=[20], query_start_host=starts,
+                                     attend=sdpa_with_lse_ref, merge=merge_attention_parts_ref)
+    args[1].normal_(), args[2].normal_()
+    got = cudnn_prefill_attention(*args, None, context_lens_host=[20], query_start_host=starts,
+                                  new_keys=own_k, new_values=own_v, attend=sdpa_with_lse_ref,
+                                  merge=merge_attention_parts_ref)
+    assert torch.equal(got, expect)
 
 
 def test_prefix_part_is_unmasked_and_chunk_part_square():
     # the merge must weigh each part by its softmax mass: one query after 3 keys sees all 4
     q = torch.randn(1, 2, 8)
     k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
-    out, lse = prefix_and_chunk_attention(q, k, v, 0.5, attend=sdpa_with_lse_ref)
+    own, cached = attend_in_two_parts(q, k, v, 0.5, attend=sdpa_with_lse_ref)
+    assert own[0].shape == cached[0].shape == (1, 2, 8) and own[1].shape == cached[1].shape == (2, 1)
+    out = merge_attention_parts_ref(torch.empty(1, 2, 8), *own, *cached)
     scores = torch.einsum("hd,sd->hs", q[0], k[0, 0]) * 0.5
     assert torch.allclose(out[0], torch.softmax(scores, -1) @ v[0, 0], atol=1e-5)
-    assert torch.allclose(lse[:, 0], torch.logsumexp(scores, -1), atol=1e-5)
+    assert torch.allclose(torch.logaddexp(own[1], cached[1])[:, 0], torch.logsumexp(scores, -1), atol=1e-5)
 
 
 def test_reference_causal_mask_is_aligned_to_the_first_key():
@@ -49,19 +82,20 @@ def test_reference_causal_mask_is_aligned_to_the_first_key():
     assert torch.allclose(out[0, 0, 0], v[0, 0, 0])  # the first query sees the first key only
 
 
-def test_gather_heads_first_follows_each_table():
+def test_gather_keys_follows_each_table():
     cache = torch.randn(10, 4, 3, 8)
-    for table, length in (([5, 2, 9], 10), ([7, 1, 0], 3)):
-        got = gather_heads_first(cache, torch.tensor(table, dtype=torch.int32), length)
+    for table, length in (([5, 2, 9], 10), ([7, 1, 0], 3), ([3, 8], 8)):
+        got = gather_keys(cache, torch.tensor(table, dtype=torch.int32), length)
         assert torch.equal(got[0].transpose(0, 1), gather_paged(cache, torch.tensor(table), length))
 
 
-def test_gather_heads_first_follows_strides():
+def test_gather_keys_follows_strides():
     whole = torch.randn(6, 2, 4, 3, 8)
     cache = whole[:, 1]  # one layer's view into a larger allocation
     table = torch.tensor([0, 5, 4, 2])
-    got = gather_heads_first(cache, table, 13)
-    assert got.shape == (1, 3, 13, 8) and got.is_contiguous()
+    got = gather_keys(cache, table, 13)
+    # heads strided over the copied rows, each key's D contiguous: the layout cuDNN takes for q too
+    assert got.shape == (1, 3, 13, 8) and got.stride()[1:] == (8, 24, 1)
     expect = torch.stack([cache[table[j // 4], j % 4] for j in range(13)])
     assert torch.equal(got[0].transpose(0, 1), expect)
 
