@@ -59,16 +59,17 @@ def gather_keys(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.
     return rows.flatten(0, 1)[:length].transpose(0, 1)[None]
 
 
-def attend_in_two_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attend=sdpa_with_lse):
-    """One sequence: q [Tq, Hq, D] at the last Tq of the Tk key positions in k/v [1, Hkv, Tk, D].
-    Returns the parts merge_attention_parts takes: ((out [Tq, Hq, D], lse [Hq, Tq]) over the chunk's
-    own keys, causal; the same over the cached prefix, unmasked, or None without one)."""
-    prefix = k.shape[2] - q.shape[0]
+def attend_in_two_parts(q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, cached_k: torch.Tensor | None,
+                        cached_v: torch.Tensor | None, scale: float, attend=sdpa_with_lse):
+    """One sequence: q [Tq, Hq, D] with its own keys own_k/own_v [1, Hkv, Tq, D] (the last Tq
+    positions) after the cached prefix cached_k/cached_v [1, Hkv, P, D] (None: no prefix).
+    Returns the parts merge_attention_parts takes: ((out [Tq, Hq, D], lse [Hq, Tq]) over its own
+    keys, causal; the same over the prefix, unmasked, or None)."""
     q4 = q.transpose(0, 1)[None]
-    own, own_lse = attend(q4, k[:, :, prefix:], v[:, :, prefix:], True, scale)
-    if prefix == 0:
+    own, own_lse = attend(q4, own_k, own_v, True, scale)
+    if cached_k is None:
         return (own[0].transpose(0, 1), own_lse), None
-    cached, cached_lse = attend(q4, k[:, :, :prefix], v[:, :, :prefix], False, scale)
+    cached, cached_lse = attend(q4, cached_k, cached_v, False, scale)
     return (own[0].transpose(0, 1), own_lse), (cached[0].transpose(0, 1), cached_lse)
 
 
@@ -85,8 +86,8 @@ def cudnn_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     copied out of the pages, then attended by `attend` (sdpa_with_lse or its reference) in the
     two parts above and merged by `merge` (merge_attention_parts or its reference) into the
     output's rows. new_keys, new_values [Tq, Hkv, D] (packed as q, D contiguous): the keys and
-    values the chunk just wrote to the cache; a sequence with no cached prefix attends them where
-    they are, with nothing to gather. Returns [Tq, Hq, D] in q.dtype."""
+    values the chunk just wrote to the cache, attended where they are: only the cached prefix is
+    gathered (a fresh prompt, nothing). Returns [Tq, Hq, D] in q.dtype."""
     if window is not None:
         raise ValueError("cudnn_prefill_attention has no sliding window; such layers take the paged kernel")
     out = torch.empty_like(q)
@@ -94,11 +95,15 @@ def cudnn_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         start, end = query_start_host[b], query_start_host[b + 1]
         if end == start:
             continue
-        if new_keys is not None and length == end - start:
-            k, v = (x[start:end].transpose(0, 1)[None] for x in (new_keys, new_values))
+        prefix = length - (end - start)
+        if new_keys is not None:  # only the prefix comes out of the pages
+            own_k, own_v = (x[start:end].transpose(0, 1)[None] for x in (new_keys, new_values))
+            cached_k, cached_v = (gather_keys(c, block_tables[b], prefix) if prefix else None for c in (k_cache, v_cache))
         else:
-            k, v = (gather_keys(cache, block_tables[b], length) for cache in (k_cache, v_cache))
-        own, cached = attend_in_two_parts(q[start:end], k, v, scale, attend)
+            k, v = (gather_keys(c, block_tables[b], length) for c in (k_cache, v_cache))
+            own_k, own_v = k[:, :, prefix:], v[:, :, prefix:]
+            cached_k, cached_v = (k[:, :, :prefix], v[:, :, :prefix]) if prefix else (None, None)
+        own, cached = attend_in_two_parts(q[start:end], own_k, own_v, cached_k, cached_v, scale, attend)
         merge(out[start:end], *own, *(cached or (None, None)), sinks)
     return out
 

@@ -254,7 +254,7 @@ def test_long_prefix_chunk_goes_through_cudnn(config, prefix):
         attention_layer.cudnn_prefill_attention = through_cudnn
         attention_layer._takes_cudnn = saved_takes
     full_layers = sum(t != "sliding" for t in spec.layer_types)
-    assert calls == [[len(prompt)]] * full_layers  # the second chunk only, every full-attention layer
+    assert calls.count([len(prompt)]) == full_layers  # the second chunk, in every full-attention layer
     err = rel_err(got, ref)
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"{config}: 300 queries after {prefix} cached keys, cuDNN vs paged kernel: logits rel err {err:.1e}, "

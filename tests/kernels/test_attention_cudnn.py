@@ -50,17 +50,20 @@ def test_two_part_matches_paged_reference(dtype, sinks, merge, own_keys):
     assert rel_err(out, paged_prefill_attention_ref(*args, None)) < TOL[dtype]
 
 
-def test_a_fresh_prompt_reads_its_own_keys_not_the_cache():
-    # with no cached prefix the chunk's keys are taken where the layer holds them: a cache
-    # holding other keys must not change the output
-    args, starts = _case([20], [20], hkv=2, group=2, d=16, dtype=torch.float32, sinks=False)
+def test_the_chunk_reads_its_own_keys_and_only_the_prefix_from_the_pages():
+    # the chunk's keys are taken where the layer holds them: keys in its pages past the prefix
+    # (here overwritten) must not change the output
+    args, starts = _case([20, 30], [20, 9], hkv=2, group=2, d=16, dtype=torch.float32, sinks=False)
     own_k, own_v = _new_keys(args, starts)
-    expect = cudnn_prefill_attention(*args, None, context_lens_host=[20], query_start_host=starts,
-                                     attend=sdpa_with_lse_ref, merge=merge_attention_parts_ref)
-    args[1].normal_(), args[2].normal_()
-    got = cudnn_prefill_attention(*args, None, context_lens_host=[20], query_start_host=starts,
-                                  new_keys=own_k, new_values=own_v, attend=sdpa_with_lse_ref,
-                                  merge=merge_attention_parts_ref)
+    run = dict(context_lens_host=[20, 30], query_start_host=starts, attend=sdpa_with_lse_ref,
+               merge=merge_attention_parts_ref)
+    expect = cudnn_prefill_attention(*args, None, **run)
+    k_cache, v_cache, tables = args[1], args[2], args[3]
+    for b, first in ((0, 0), (1, 21)):  # every position of the chunks: 0-19, and 21-29 after a prefix of 21
+        for j in range(first, [20, 30][b]):
+            block, row = tables[b, j // 8], j % 8
+            k_cache[block, row].normal_(), v_cache[block, row].normal_()
+    got = cudnn_prefill_attention(*args, None, new_keys=own_k, new_values=own_v, **run)
     assert torch.equal(got, expect)
 
 
@@ -68,7 +71,8 @@ def test_prefix_part_is_unmasked_and_chunk_part_square():
     # the merge must weigh each part by its softmax mass: one query after 3 keys sees all 4
     q = torch.randn(1, 2, 8)
     k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
-    own, cached = attend_in_two_parts(q, k, v, 0.5, attend=sdpa_with_lse_ref)
+    own, cached = attend_in_two_parts(q, k[:, :, 3:], v[:, :, 3:], k[:, :, :3], v[:, :, :3], 0.5,
+                                      attend=sdpa_with_lse_ref)
     assert own[0].shape == cached[0].shape == (1, 2, 8) and own[1].shape == cached[1].shape == (2, 1)
     out = merge_attention_parts_ref(torch.empty(1, 2, 8), *own, *cached)
     scores = torch.einsum("hd,sd->hs", q[0], k[0, 0]) * 0.5
