@@ -16,10 +16,8 @@ No window: sliding-window layers (gpt-oss, 128 keys) stay on the paged kernel, w
 `sdpa_with_lse` is the cuDNN call, `sdpa_with_lse_ref` its torch reference (same signature);
 `cudnn_prefill_attention` has paged_prefill_attention's signature plus the host-side lengths and
 the call to use. `cudnn_prefill_pays` says where the engine takes it over the paged Triton kernel:
-on an H100 (2026-12-06, BENCHMARKS.md "Prefill attention") it was 1.3x faster for GLM-4.5V's
-heads of 128 after 6K cached keys and 1.8x after 30K, 1.3x for gpt-oss's heads of 64 after 30K
-but slower after 6K, and slower for either with no prefix (a fixed ~0.1-0.3 ms of gathers,
-conversions and launches against one launch).
+GLM-4.5V's 2048-query chunks after 8K cached keys or more, where it was 2.0-2.2x faster on an H100
+and paid back the graph torch builds for each new shape (see the constants below).
 """
 from __future__ import annotations
 
@@ -108,26 +106,48 @@ def cudnn_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-# Cached keys before a sequence's chunk from which the two-part cuDNN form pays, by head size, on
-# Hopper (sm_90, where it was measured), each between a measured loss and a measured win (64: 6K
-# and 30K; 128: 0 and 6K) and past where a straight line through them breaks even (~12.6K; ~1K).
-CUDNN_MIN_PREFIX = {128: 4096, 64: 16384}
+# Where the two-part cuDNN form pays on Hopper (sm_90, where it was measured; BENCHMARKS.md
+# "Prefill attention", 2026-12-06): torch builds one cuDNN graph for every new shape, sequence
+# lengths included, 50-230 ms on an H100 (bench/cudnn_shape_probe.py), and a chunk's prefix length
+# is new for most chunks. Taken only where one build is paid back within the chunk itself:
+# GLM-4.5V's heads of 128 (46 layers) save 1.7 ms a layer after 8K cached keys, 3.2 after 16K and
+# 6.0 after 30K for a 2048-query chunk, against ~60 ms for the build. gpt-oss's heads of 64 (18
+# full-attention layers) save at most 1.4 ms a layer, 25 ms a chunk: never paid back, not taken.
+CUDNN_MIN_PREFIX = {128: 8192}
+CUDNN_MIN_QUERIES = 2048
 # Sequences a prefill batch may hold for it: each costs its own gathers and calls.
 CUDNN_MAX_SEQS = 4
 # A sequence's gathered keys and values must fit this (a transient inside the planner's
-# activation reserve): GLM-4.5V's 64K keys, gpt-oss's 128K.
+# activation reserve): GLM-4.5V's 64K keys.
 CUDNN_MAX_GATHER_BYTES = 256 << 20
+# torch keeps every graph it built; past this many shapes a process keeps to the ones it has.
+CUDNN_MAX_SHAPES = 64
+_shapes_built: set[tuple] = set()
 
 
 def cudnn_prefill_pays(capability: tuple[int, int], head_dim: int, kv_heads: int, element_size: int,
                        context_lens: list[int], query_lens: list[int]) -> bool:
     """Whether a prefill batch (per sequence: keys in all, new queries among them) goes faster
-    through cudnn_prefill_attention than through the paged kernel, by the measurements above."""
+    through cudnn_prefill_attention than through the paged kernel, by the measurements above,
+    counting a graph build for each shape."""
     min_prefix = CUDNN_MIN_PREFIX.get(head_dim)
     if capability[0] != 9 or min_prefix is None or not 0 < len(context_lens) <= CUDNN_MAX_SEQS:
         return False
-    return all(keys - queries >= min_prefix and 2 * keys * kv_heads * head_dim * element_size <= CUDNN_MAX_GATHER_BYTES
+    return all(queries >= CUDNN_MIN_QUERIES and keys - queries >= min_prefix
+               and 2 * keys * kv_heads * head_dim * element_size <= CUDNN_MAX_GATHER_BYTES
                for keys, queries in zip(context_lens, query_lens))
+
+
+def cudnn_shapes_fit(layout: tuple, context_lens: list[int], query_lens: list[int]) -> bool:
+    """Whether the graphs the batch's calls need (layout: what else a graph depends on, such as
+    device, heads and dtype) are built or may still be; records them as built."""
+    shapes = {(*layout, queries, keys - queries) for keys, queries in zip(context_lens, query_lens)}
+    shapes |= {(*layout, queries, queries) for queries in query_lens}
+    new = shapes - _shapes_built
+    if len(_shapes_built) + len(new) > CUDNN_MAX_SHAPES:
+        return False
+    _shapes_built.update(new)
+    return True
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.attention_cudnn import cudnn_prefill_attention, cudnn_prefill_pays, cudnn_works
+from ...kernels.attention_cudnn import cudnn_prefill_attention, cudnn_prefill_pays, cudnn_shapes_fit, cudnn_works
 from ...kernels.attention_decode import paged_decode_attention, paged_decode_attention_ref, rotary_decode_attention
 from ...kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
 from ...kernels.gpu_facts import gpu_arch
@@ -26,13 +26,15 @@ from .linear import concat_rows, linear
 
 def _takes_cudnn(q: torch.Tensor, k_cache: torch.Tensor, batch, query_lens: list[int]) -> bool:
     """Whether this CUDA prefill batch of a full-attention layer goes through cuDNN on gathered
-    keys: long cached prefixes on a GPU where that was measured faster, and a torch that runs it."""
+    keys: long cached prefixes on a GPU where that was measured faster, a torch that runs it, and
+    room for the graphs of its shapes."""
     if k_cache.dtype != q.dtype or not cudnn_prefill_pays(
             gpu_arch(q.device).capability, q.shape[-1], k_cache.shape[2], k_cache.element_size(),
             batch.context_lens_host, query_lens):
         return False
-    return cudnn_works(q.device.index if q.device.index is not None else torch.cuda.current_device(),
-                       q.shape[-1], q.dtype)
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return cudnn_works(device, q.shape[-1], q.dtype) and cudnn_shapes_fit(
+        (device, q.shape[1], k_cache.shape[2], q.shape[-1], q.dtype), batch.context_lens_host, query_lens)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,

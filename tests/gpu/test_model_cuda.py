@@ -223,40 +223,43 @@ def prefill_in_two_chunks(model, spec, prompt: torch.Tensor, split: int, dtype, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config, prefix", [("glm-4.5v.json", 4200), ("gpt-oss-20b.json", 16500)])
-def test_long_prefix_chunk_goes_through_cudnn(config, prefix):
-    """A prompt's chunk after a long cached prefix takes cuDNN's attention on gathered keys in
-    every full-attention layer (engine/layers/attention.py), and its logits match the same chunk
-    through the paged Triton kernel."""
+@pytest.mark.parametrize("config, prefix, forced", [("glm-4.5v.json", 8200, False), ("gpt-oss-20b.json", 8200, True)])
+def test_long_prefix_chunk_goes_through_cudnn(config, prefix, forced):
+    """A prompt's 2048-token chunk after a long cached prefix takes cuDNN's attention on gathered
+    keys in every full-attention layer (engine/layers/attention.py; for gpt-oss, whose heads of 64
+    the engine keeps on the paged kernel, forced, to run its sinks through the same path), and its
+    logits match the same chunk through the paged Triton kernel."""
     from localchat.engine.layers import attention as attention_layer
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the engine takes cuDNN's prefill attention on Hopper only")
     spec = truncated_spec(config)
     model = build_model(spec, dummy_weights(spec, device="cuda", dtype=torch.bfloat16, seed=3), "cuda")
-    prompt = torch.randint(0, 20000, (prefix + 300,), generator=torch.Generator().manual_seed(2))
+    prompt = torch.randint(0, 20000, (prefix + 2048,), generator=torch.Generator().manual_seed(2))
     calls = []
-    through_cudnn = attention_layer.cudnn_prefill_attention
+    through_cudnn, pays = attention_layer.cudnn_prefill_attention, attention_layer.cudnn_prefill_pays
+    saved_takes = attention_layer._takes_cudnn
 
     def counted(*args, **kwargs):
         calls.append(kwargs["context_lens_host"])
         return through_cudnn(*args, **kwargs)
 
-    saved_takes = attention_layer._takes_cudnn
     try:
         attention_layer.cudnn_prefill_attention = counted
+        if forced:
+            attention_layer.cudnn_prefill_pays = lambda *a: a[4][0] - a[5][0] > 0
         with torch.inference_mode(), recorded_routing() as routes:
             got = prefill_in_two_chunks(model, spec, prompt, prefix, torch.bfloat16)
         attention_layer._takes_cudnn = lambda *a, **k: False
         with torch.inference_mode(), recorded_routing(spec, replay=routes):
             ref = prefill_in_two_chunks(model, spec, prompt, prefix, torch.bfloat16)
     finally:
-        attention_layer.cudnn_prefill_attention = through_cudnn
+        attention_layer.cudnn_prefill_attention, attention_layer.cudnn_prefill_pays = through_cudnn, pays
         attention_layer._takes_cudnn = saved_takes
     full_layers = sum(t != "sliding" for t in spec.layer_types)
-    assert calls.count([len(prompt)]) == full_layers  # the second chunk, in every full-attention layer
+    assert calls == [[len(prompt)]] * full_layers  # the second chunk, in every full-attention layer
     err = rel_err(got, ref)
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"{config}: 300 queries after {prefix} cached keys, cuDNN vs paged kernel: logits rel err {err:.1e}, "
+    print(f"{config}: 2048 queries after {prefix} cached keys, cuDNN vs paged kernel: logits rel err {err:.1e}, "
           f"argmax agrees on {agree:.1%} of rows")
     assert err < TOLERANCE[config]

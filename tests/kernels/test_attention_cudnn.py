@@ -6,7 +6,7 @@ import torch
 
 from kernel_checks import TOL, cuda_time_us, paged_cache, rel_err
 from localchat.kernels.attention_cudnn import (attend_in_two_parts, cudnn_prefill_attention, cudnn_prefill_pays,
-                                               cudnn_works, gather_keys, matches_reference, sdpa_with_lse,
+                                               cudnn_shapes_fit, cudnn_works, gather_keys, matches_reference, sdpa_with_lse,
                                                sdpa_with_lse_ref)
 from localchat.kernels.attention_decode import gather_paged
 from localchat.kernels.attention_merge import merge_attention_parts, merge_attention_parts_ref
@@ -152,16 +152,32 @@ def test_probe_check_tells_layouts_apart():
 
 def test_cudnn_taken_only_where_measured_faster():
     hopper, ampere = (9, 0), (8, 0)
-    # GLM-4.5V: heads of 128, 8 KV heads, bf16; a 2048-token chunk after 6K / 1K cached keys
-    assert cudnn_prefill_pays(hopper, 128, 8, 2, [8192], [2048])
-    assert not cudnn_prefill_pays(hopper, 128, 8, 2, [3072], [2048])
-    assert not cudnn_prefill_pays(ampere, 128, 8, 2, [8192], [2048])  # not measured there
-    # gpt-oss: heads of 64; lost after 6K, won after 30K
-    assert not cudnn_prefill_pays(hopper, 64, 8, 2, [8192], [2048])
-    assert cudnn_prefill_pays(hopper, 64, 8, 2, [32768], [2048])
+    # GLM-4.5V: heads of 128, 8 KV heads, bf16; a 2048-token chunk after 8K / 6K cached keys
+    assert cudnn_prefill_pays(hopper, 128, 8, 2, [8192 + 2048], [2048])
+    assert not cudnn_prefill_pays(hopper, 128, 8, 2, [6144 + 2048], [2048])
+    assert not cudnn_prefill_pays(ampere, 128, 8, 2, [8192 + 2048], [2048])  # not measured there
+    # a short chunk after a long prefix (a chat's next turn) saves less than its graph's build
+    assert not cudnn_prefill_pays(hopper, 128, 8, 2, [30000 + 300], [300])
+    # gpt-oss: heads of 64 never save a build's worth
+    assert not cudnn_prefill_pays(hopper, 64, 8, 2, [32768], [2048])
     # every sequence must have its long prefix, and not too many of them
-    assert not cudnn_prefill_pays(hopper, 128, 8, 2, [8192, 2100], [2048, 2048])
-    assert not cudnn_prefill_pays(hopper, 128, 8, 2, [8192] * 5, [400] * 5)
+    assert not cudnn_prefill_pays(hopper, 128, 8, 2, [10240, 4096], [2048, 2048])
+    assert not cudnn_prefill_pays(hopper, 128, 8, 2, [12000] * 5, [2048] * 5)
     # a gather over the transient's bound (GLM-4.5V past 64K keys) stays paged
     assert not cudnn_prefill_pays(hopper, 128, 8, 2, [70000], [2048])
     assert not cudnn_prefill_pays(hopper, 96, 8, 2, [32768], [2048])  # a head size never timed
+
+
+def test_graph_shapes_are_bounded(monkeypatch):
+    import localchat.kernels.attention_cudnn as module
+
+    monkeypatch.setattr(module, "_shapes_built", set())
+    monkeypatch.setattr(module, "CUDNN_MAX_SHAPES", 5)
+    layout = (0, 96, 8, 128, torch.bfloat16)
+    assert cudnn_shapes_fit(layout, [10240], [2048])  # the prefix part and the chunk's own square
+    assert cudnn_shapes_fit(layout, [10240], [2048])  # built: every layer after the first
+    assert cudnn_shapes_fit(layout, [12288], [2048])  # one more prefix; the square is shared
+    assert cudnn_shapes_fit(layout, [14336, 16384], [2048, 2048])
+    assert not cudnn_shapes_fit(layout, [18432], [2048])  # a sixth shape: past the bound
+    assert cudnn_shapes_fit(layout, [12288], [2048])  # the built ones still go
+    assert not cudnn_shapes_fit((0, 96, 8, 128, torch.float16), [10240], [2048])  # another dtype is another graph
