@@ -22,8 +22,9 @@
 # the file from before, with bench/ab_kernels.sh: the MoE alone, the dense FP8 linears' cuBLAS call
 # with its fast accumulation or not, the other tiles once more now that the dots stay in flight, and
 # the kernels of a 4-layer 2048-token GLM-4.5V-FP8 prefill, which fits an H100), prefill-cudnn (prefill attention through cuDNN on keys gathered
-# out of the pages in two parts, kernels/attention_cudnn.py: its GPU tests, then against the paged kernel
-# and SDPA over 0-30K cached keys, bench/bench_prefill_attention.py --cudnn).
+# out of the pages in two parts, kernels/attention_cudnn.py: its GPU tests, the merge kernel's and the
+# engine's switch on a long prompt, then against the paged kernel and SDPA over 0-30K cached keys,
+# bench/bench_prefill_attention.py --cudnn, and what a new shape's first call costs, bench/cudnn_shape_probe.py).
 # Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
@@ -89,6 +90,7 @@ step fp8-accumulate && [ -d before_kernels ] && BEFORE_DIR=before_kernels timeou
 step fp8-accumulate && timeout "${FAST_ACCUM_S:-90}" python3 bench/fast_accum_probe.py 2>&1 | tee "$OUT/fast_accum.log"
 step fp8-accumulate && timeout "${FP8_ACC_TILES_S:-150}" python3 bench/bench_moe_prefill.py --only fp8_channel --ts 1024,4096 2>&1 | tee "$OUT/fp8_accumulate_tiles.log" | grep -v Warn
 step fp8-accumulate && [ -d before_kernels ] && BEFORE_DIR=before_kernels timeout "${FP8_ACC_TTFT_S:-240}" bash bench/ab_kernels.sh python3 bench/profile_step.py glm-4.5v-fp8 --layers 4 --prefill 2048 2>&1 | tee "$OUT/fp8_accumulate_ttft.log" | grep -E "layers|%" | head -60
-step prefill-cudnn && timeout "${CUDNN_TESTS_S:-80}" python3 -m pytest -m gpu tests/kernels/test_attention_cudnn.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/cudnn_gpu.log" | tail -8
-step prefill-cudnn && timeout "${CUDNN_S:-120}" python3 bench/bench_prefill_attention.py --tiles "" --cudnn 2>&1 | tee "$OUT/prefill_cudnn.log" | grep -v Warn
+step prefill-cudnn && timeout "${CUDNN_TESTS_S:-150}" python3 -m pytest -m gpu tests/kernels/test_attention_cudnn.py tests/kernels/test_attention_merge.py tests/gpu/test_model_cuda.py -k "cudnn or merge or sdpa or long_prefix" -q -s -p no:cacheprovider 2>&1 | tee "$OUT/cudnn_gpu.log" | tail -8
+step prefill-cudnn && timeout "${CUDNN_S:-120}" python3 bench/bench_prefill_attention.py --tiles "" --cudnn --prefixes 0,2048,4096,8192,16384,30720 2>&1 | tee "$OUT/prefill_cudnn.log" | grep -v Warn
+step prefill-cudnn && timeout "${CUDNN_PROBE_S:-90}" python3 bench/cudnn_shape_probe.py 2>&1 | tee "$OUT/cudnn_shapes.log"
 exit 0
