@@ -58,15 +58,17 @@ def test_tile_k_splits():
 @pytest.mark.parametrize("block", [None, (128, 128)])
 @pytest.mark.parametrize("m", [1, 4, 8, 32, 40, 2048])
 @pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 12288)])  # GLM-4.5V q_proj, o_proj (K split at 3-32 tokens)
-def test_fp8_linear_gpu(block, m, n, k):
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_linear_gpu(block, m, n, k, with_bias):
     w = torch.randn(n, k, device="cuda") / 64
     fw = Fp8Weight(*quantize_fp8_blocks(w), block=block) if block else Fp8Weight(*quantize_fp8_rows(w))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    out = fp8_linear(x, fw)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    out = fp8_linear(x, fw, b)
     # FP8 activations at large M (per token with channel scales, per token and 128 columns with
     # block scales) cost about one e4m3 rounding
-    assert rel_err(out, fp8_linear_ref(x, fw)) < (5e-2 if m >= SCALED_MM_MIN_M else 2e-2)
-    us = cuda_time_us(lambda: fp8_linear(x, fw))
+    assert rel_err(out, fp8_linear_ref(x, fw, b)) < (5e-2 if m >= SCALED_MM_MIN_M else 2e-2)
+    us = cuda_time_us(lambda: fp8_linear(x, fw, b))
     print(f"\nfp8_linear M={m} block={block}: {us:.1f} us, {n * k / us / 1e3:.0f} GB/s (weights), "
           f"{2 * m * n * k / us / 1e6:.0f} TFLOP/s")
 
@@ -124,3 +126,5 @@ def test_scaled_mm_recipes_on_hopper_gpu():
     if torch.cuda.get_device_capability(index)[0] != 9:
         pytest.skip("the recipes are a Hopper expectation")
     assert scaled_mm_works(index, block=False) and scaled_mm_works(index, block=True)
+    # and both with the bias in the epilogue (GLM-4.5V's q/k/v)
+    assert scaled_mm_works(index, block=False, bias=True) and scaled_mm_works(index, block=True, bias=True)
