@@ -212,7 +212,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         moe_gate_up_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             xq, xq.stride(0), *gate_up_args[2:], xs, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt,
             X_SCALED=x_scaled, **gate_up_meta)
-    y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
+    y = torch.empty((num_pairs, h), dtype=_pair_rows_dtype(x, cfg), device=x.device)
     has_down_bias, bd, bd_stride = _down_bias(experts, x)
     pair_weights = topk_weights.reshape(-1).to(torch.float32)
     down_args = (act, act.stride(0), wd, wd.stride(0), wd.stride(1), sd, *sd_strides,
@@ -297,9 +297,18 @@ def _tma_descriptors(words: torch.Tensor, scales: torch.Tensor, block_n: int, bl
             TensorDescriptor.from_tensor(scales, [1, block_n, block_k // 32]))
 
 
+def _pair_rows_dtype(x: torch.Tensor, cfg: MoeConfig) -> torch.dtype:
+    """The dtype the down GEMM writes each pair's row in, for the combine to sum. The tiles
+    (prefill sizes) write bf16 for bf16 activations: every row is written once and read once, and
+    at 2048 tokens float32 rows were ~0.3 GB a GLM-4.5V layer (each row is one rounding further
+    from the float32 sum; the layer's output is bf16 anyway). The row kernels (decode sizes) keep
+    float32, where the rows are few."""
+    return torch.bfloat16 if x.dtype == torch.bfloat16 and not cfg.gemv else torch.float32
+
+
 def _combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out [T, H] = the sum of each token's k rows of y [T * k, H] (float32, routing weights
-    applied), in a fixed order."""
+    """out [T, H] = the sum of each token's k rows of y [T * k, H] (float32 or bf16, routing
+    weights applied), summed in float32 in a fixed order."""
     t, h = out.shape
     block_h = min(1024, triton.next_power_of_2(h))
     moe_combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_ids, out, h, TOP_K=topk_ids.shape[1], BLOCK_H=block_h)
@@ -425,7 +434,7 @@ def _mma_experts(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tenso
         ACT=ACTIVATIONS[experts.activation], HAS_BIAS=experts.gate_bias is not None, INTERPRET=interpret,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, OUT_CHUNK=down_k,
         ONE_DOT=one_dot, ASM_DECODE=asm_decode, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **gate_up_regs)
-    y = torch.empty((num_pairs, h), dtype=torch.float32, device=x.device)
+    y = torch.empty((num_pairs, h), dtype=_pair_rows_dtype(x, cfg), device=x.device)
     has_down_bias, bd, bd_stride = _down_bias(experts, x)
     moe_down_mma_kernel[(b_max, triton.cdiv(h, down_n))](
         act, *_code_words(wd), sd, *sd_strides, bd, bd_stride, topk_weights.reshape(-1).to(torch.float32), y,

@@ -198,7 +198,8 @@ def moe_down_kernel(
         FORMAT: tl.constexpr, MX_DOT_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
         X_FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_SCALED: tl.constexpr = False):
-    """out[p, n] = w_p * (Wd[e] @ a[p] + bd[e])[n], float32, one row per (token, expert) pair.
+    """out[p, n] = w_p * (Wd[e] @ a[p] + bd[e])[n], summed in float32 and stored in out's dtype
+    (float32 or bf16), one row per (token, expert) pair.
     X_SCALED: a holds e4m3 rows, a[p] * as[p] the pair's activations (FP8 weights only)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -224,12 +225,13 @@ def moe_down_kernel(
     gate = tl.load(pair_weights_ptr + rows, mask=valid, other=0.0)
     acc = acc * gate[None, :]
     out_ptrs = out_ptr + rows[None, :] * stride_ot + n[:, None]
-    tl.store(out_ptrs, acc, mask=valid[None, :] & n_mask[:, None])
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[None, :] & n_mask[:, None])
 
 
 @triton.jit
 def moe_combine_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t, :] = sum_j y[t * TOP_K + j, :] (y float32 [T*k, H]) cast to out's dtype, over the
+    """out[t, :] = sum_j y[t * TOP_K + j, :] (y float32 or bf16 [T*k, H]), summed in float32 and
+    cast to out's dtype, over the
     pairs whose expert id (ids [T*k]) is not -1: those rows were never written. Fixed summation
     order."""
     t = tl.program_id(0).to(tl.int64)
@@ -241,7 +243,7 @@ def moe_combine_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H:
 
 @triton.jit
 def token_rows_sum(y_ptr, stride_yt, ids_ptr, t, h, mask, TOP_K: tl.constexpr, CACHE: tl.constexpr):
-    """Columns h of token t's TOP_K rows of y (float32 [T*k, H], row stride stride_yt) added in
+    """Columns h of token t's TOP_K rows of y (float32 or bf16 [T*k, H], row stride stride_yt) added in
     pair order, skipping pairs of expert -1 (ids [T*k]), whose rows were never written. CACHE:
     the loads' cache modifier (".cg", past L1, for rows written by other programs of the same
     launch)."""
@@ -250,5 +252,6 @@ def token_rows_sum(y_ptr, stride_yt, ids_ptr, t, h, mask, TOP_K: tl.constexpr, C
         row = t * TOP_K + j
         # broadcast to a tensor: Triton 3.9's interpreter rejects a tensor & scalar mask
         here = (h * 0 + tl.load(ids_ptr + row)) >= 0
-        acc += tl.load(y_ptr + row.to(tl.int64) * stride_yt + h, mask=mask & here, other=0.0, cache_modifier=CACHE)
+        acc += tl.load(y_ptr + row.to(tl.int64) * stride_yt + h, mask=mask & here, other=0.0,
+                       cache_modifier=CACHE).to(tl.float32)
     return acc

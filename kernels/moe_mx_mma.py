@@ -239,4 +239,5 @@ def moe_down_mma_kernel(
     if HAS_BIAS:
         acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     acc = acc * tl.load(pair_weights_ptr + rows, mask=valid, other=0.0)[None, :]
-    tl.store(y_ptr + rows[None, :] * stride_yt + n[:, None], acc, mask=valid[None, :] & n_mask[:, None])
+    tl.store(y_ptr + rows[None, :] * stride_yt + n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=valid[None, :] & n_mask[:, None])
