@@ -14,8 +14,9 @@
 # register cap, decode attention's GPU tests and its engine and plain forms against stages, register
 # caps and key tiles, then the kernel table for the MoE and decode attention), prefill (what a long
 # prompt or an image waits for: the FP8 MoE at 64-4096 tokens, prefill attention over 2K-32K keys,
-# a new image's preprocessing (host and device), the vision tower at three image sizes, and the
-# kernels of a 2048-token prefill of GLM-4.5V-FP8 and gpt-oss-120b), prefill-mxfp4 (gpt-oss-120b's MXFP4 MoE at 256-4096 tokens over tensor-core
+# a new image's preprocessing (host and device), the vision tower at three image sizes, the
+# kernels of a 2048-token prefill of GLM-4.5V-FP8 and gpt-oss-120b, and cuBLAS's FP8 GEMMs with
+# the bias in their epilogue, bench/scaled_mm_bias_probe.py), prefill-mxfp4 (gpt-oss-120b's MXFP4 MoE at 256-4096 tokens over tensor-core
 # tiles, its kernels one by one, Nsight Compute's view of them at 1024 tokens, and the kernels of
 # a 2048-token gpt-oss-120b prefill), fp8-accumulate (GLM-4.5V's FP8 experts at prefill sizes with
 # their FP8 dots summing the K loop in place: GPU tests, then against before_kernels/moe_gemm.py,
@@ -81,6 +82,7 @@ step prefill && timeout "${PREFILL_ATTN_S:-150}" python3 bench/bench_prefill_att
 step prefill && timeout "${IMAGE_INPUTS_S:-60}" python3 bench/bench_image_inputs.py 2>&1 | tee "$OUT/image_inputs.log"
 step prefill && timeout "${VISION_S:-120}" python3 bench/profile_vision.py 2>&1 | tee "$OUT/vision.log" | head -12
 step prefill && timeout "${PREFILL_PROFILE_S:-150}" python3 bench/profile_step.py glm-4.5v-fp8,gpt-oss-120b --layers 4 --prefill 2048 2>&1 | tee "$OUT/prefill_profile.log" | grep -v Warn
+step prefill && timeout "${BIAS_PROBE_S:-60}" python3 bench/scaled_mm_bias_probe.py 2>&1 | tee "$OUT/scaled_mm_bias.log"
 step prefill-mxfp4 && timeout "${PREFILL_MX_S:-240}" python3 bench/bench_moe_prefill.py --only mxfp4 --ts ${PREFILL_MX_TS:-1024,2048,4096,256} --kernels ${PREFILL_MX_ARGS:-} 2>&1 | tee "$OUT/prefill_mxfp4.log" | grep -v Warn
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 step prefill-mxfp4 && [ -n "$NCU" ] && timeout "${PREFILL_NCU_S:-150}" "$NCU" --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python3 bench/ncu_moe_step.py mxfp4 ${PREFILL_NCU_T:-1024} ${PREFILL_NCU_TILE:-} > "$OUT/prefill_mxfp4_ncu.log" 2>&1; tail -5 "$OUT/prefill_mxfp4_ncu.log" 2>/dev/null
