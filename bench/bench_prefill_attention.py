@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kerne
 from kernel_checks import eager_time_ms, paged_cache, rel_err  # noqa: E402
 
 from localchat.kernels.attention_cudnn import cudnn_prefill_attention  # noqa: E402
+from localchat.kernels.attention_decode import gather_paged  # noqa: E402
 from localchat.kernels.attention_prefill import paged_prefill_attention  # noqa: E402
 
 CASES = [("GLM-4.5V", 96, 8, 128, False, None), ("gpt-oss", 64, 8, 64, True, None),
@@ -82,9 +83,8 @@ def main() -> None:
                       f"(rel diff from the first form {rel_err(out, first):.1e})", flush=True)
             except Exception as e:
                 print(f"  cuDNN on gathered keys, two parts: failed ({type(e).__name__}: {str(e)[:160]})")
-        if args.cudnn and window is None and prefix == 0:
-            pages = tables[0, : -(-ctx // 16)].long()
-            own = [x[pages].flatten(0, 1)[:ctx] for x in (k, v)]  # [T, Hkv, D], as the layer holds them
+        own = [gather_paged(x, tables[0], ctx) for x in (k, v)] if prefix == 0 and window is None else None
+        if args.cudnn and own is not None:  # [T, Hkv, D], as the layer holds them
             extra = dict(context_lens_host=lens.tolist(), query_start_host=[0, chunk],
                          new_keys=own[0], new_values=own[1])
             out = cudnn_prefill_attention(*a, **extra)
@@ -92,10 +92,8 @@ def main() -> None:
             print(f"  cuDNN on the chunk's own keys (no gather): {ms * 1e3:8.0f} us  "
                   f"{flops / ms / 1e9:5.0f} TFLOP/s  (rel diff from the first form {rel_err(out, first):.1e})",
                   flush=True)
-        if prefix == 0 and window is None:
-            pages = tables[0, : -(-ctx // 16)].long()
-            kc = k[pages].flatten(0, 1)[:ctx].transpose(0, 1)[None].contiguous()
-            vc = v[pages].flatten(0, 1)[:ctx].transpose(0, 1)[None].contiguous()
+        if own is not None:
+            kc, vc = (x.transpose(0, 1)[None].contiguous() for x in own)
             qs = q.transpose(0, 1)[None]
             ms = eager_time_ms(lambda: F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, enable_gqa=True))
             print(f"  torch SDPA (contiguous keys, no sinks): {ms * 1e3:8.0f} us  {flops / ms / 1e9:5.0f} TFLOP/s",

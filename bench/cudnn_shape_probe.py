@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kerne
 from kernel_checks import paged_cache  # noqa: E402
 
 from localchat.kernels.attention_cudnn import cudnn_prefill_attention  # noqa: E402
+from localchat.kernels.attention_decode import gather_paged  # noqa: E402
 from localchat.kernels.attention_prefill import paged_prefill_attention  # noqa: E402
 
 CASES = [("GLM-4.5V", 96, 8, 128, False), ("gpt-oss", 64, 8, 64, True)]
@@ -42,7 +43,7 @@ def main() -> None:
             a = (q, k, v, tables, lens, cu, queries, d ** -0.5, s, None)
             own = {}
             if prefix == 0:
-                own = dict(new_keys=k[tables[0].long()].flatten(0, 1)[:ctx], new_values=v[tables[0].long()].flatten(0, 1)[:ctx])
+                own = dict(new_keys=gather_paged(k, tables[0], ctx), new_values=gather_paged(v, tables[0], ctx))
             run = lambda: cudnn_prefill_attention(*a, context_lens_host=[ctx], query_start_host=[0, queries], **own)  # noqa: E731
             first, second, third = wall_ms(run), wall_ms(run), wall_ms(run)
             paged = [wall_ms(lambda: paged_prefill_attention(*a)) for _ in range(3)]

@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from .attention_decode import masked_scores_ref
+from .attention_decode import gather_paged, masked_scores_ref
 from .attention_merge import merge_attention_parts
 
 
@@ -50,11 +50,9 @@ def sdpa_with_lse_ref(q, k, v, causal, scale) -> tuple[torch.Tensor, torch.Tenso
 
 def gather_keys(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
     """cache [num_blocks, block_size, Hkv, D] (any strides), one sequence's block table [max_blocks]
-    -> its keys 0..length-1 as [1, Hkv, length, D]: the sequence's whole pages copied out in one
-    gather of rows, seen heads-first without a second copy (the attention call takes the strides)."""
-    pages = -(-length // cache.shape[1])
-    rows = cache.index_select(0, table[:pages])
-    return rows.flatten(0, 1)[:length].transpose(0, 1)[None]
+    -> its keys 0..length-1 as [1, Hkv, length, D]: gather_paged's rows seen heads-first without a
+    second copy (the attention call takes the strides)."""
+    return gather_paged(cache, table, length).transpose(0, 1)[None]
 
 
 def attend_in_two_parts(q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, cached_k: torch.Tensor | None,

@@ -309,10 +309,11 @@ def _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, si
 
 
 def gather_paged(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """One sequence's first `length` tokens from a paged cache -> [length, Hkv, D]."""
-    block_size = cache.shape[1]
-    j = torch.arange(length, device=cache.device)
-    return cache[table.long()[j // block_size], j % block_size]
+    """One sequence's first `length` tokens from a paged cache [num_blocks, block_size, Hkv, D]
+    (any strides) -> [length, Hkv, D]: its whole pages copied out in one gather of rows (an
+    element-wise index per token took ~4x as long on the GPU)."""
+    pages = -(-length // cache.shape[1])
+    return cache.index_select(0, table[:pages]).flatten(0, 1)[:length]
 
 
 def masked_scores_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, scale: float,

@@ -323,6 +323,10 @@ def _device_index(x: torch.Tensor) -> int:
     return x.device.index if x.device.index is not None else torch.cuda.current_device()
 
 
+def _bias_in_epilogue(x: torch.Tensor, bias: torch.Tensor | None, block: bool) -> bool:
+    return bias is not None and scaled_mm_works(_device_index(x), block=block, bias=True)
+
+
 def _takes_blockwise_scaled_mm(x: torch.Tensor, w: Fp8Weight) -> bool:
     n, k = w.weight.shape
     if not (w.block == (128, 128) and x.shape[0] >= SCALED_MM_MIN_M and x.dtype in (torch.bfloat16, torch.float16)
@@ -344,11 +348,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
     k, n = w.weight.shape[1], w.weight.shape[0]
     if on_gpu and w.block is None and x2.shape[0] >= SCALED_MM_MIN_M and k % 16 == 0 and n % 16 == 0 \
             and x.dtype != torch.float32 and scaled_mm_works(_device_index(x2), block=False):
-        fused = bias is not None and scaled_mm_works(_device_index(x2), block=False, bias=True)
-        out = _scaled_mm_linear(x2, w, bias, fused)
+        out = _scaled_mm_linear(x2, w, bias, _bias_in_epilogue(x2, bias, block=False))
     elif on_gpu and w.block is not None and _takes_blockwise_scaled_mm(x2, w):
-        fused = bias is not None and scaled_mm_works(_device_index(x2), block=True, bias=True)
-        out = _scaled_mm_block_linear(x2, w, bias, fused)
+        out = _scaled_mm_block_linear(x2, w, bias, _bias_in_epilogue(x2, bias, block=True))
     else:
         out = _triton_fp8_linear(x2, w, bias, on_gpu, block_n, block_k, stages)
     return out.reshape(*lead, n)

@@ -208,16 +208,16 @@ def test_kernels_match_their_references_inside_the_model(config):
     assert max(errors) < TOLERANCE[config]
 
 
-def prefill_in_two_chunks(model, spec, prompt: torch.Tensor, split: int, dtype, device="cuda") -> torch.Tensor:
+def prefill_in_two_chunks(model, spec, prompt: torch.Tensor, split: int, dtype) -> torch.Tensor:
     """Prefills `prompt` as the engine does a long one: its first `split` tokens, then the rest
     as a second chunk after them. Returns the second chunk's logits [len - split, vocab]."""
     blocks = -(-len(prompt) // BLOCK)
-    cache = PagedKVCache(spec.num_layers, blocks, BLOCK, spec.num_kv_heads, spec.head_dim, dtype, device)
+    cache = PagedKVCache(spec.num_layers, blocks, BLOCK, spec.num_kv_heads, spec.head_dim, dtype, "cuda")
     table = list(range(blocks))
-    ids = prompt.to(device)
+    ids = prompt.cuda()
     rope = model.rope_positions(ids, None)[0] if spec.family == "glm4v_moe" else torch.arange(len(prompt))
-    for start, end in ((0, split), (split, len(prompt))) if split else ((0, len(prompt)),):
-        batch = ForwardBatch.build([(table, start, end - start)], rope[..., start:end], BLOCK, device)
+    for start, end in ((0, split), (split, len(prompt))):
+        batch = ForwardBatch.build([(table, start, end - start)], rope[..., start:end], BLOCK, "cuda")
         h = model.forward(model.embed(ids[start:end]).to(dtype), batch, cache)
     return model.logits(h).float().cpu()
 
