@@ -5,6 +5,11 @@ it replaces, per token count, for gpt-oss (128 experts x 2880, top-4, bf16 logit
 median of 10 replays, us per router.
 
     python bench/bench_router.py [--ts 1,4,8,32] [--tiles 64:1:4,128:1:4,...]   (block_k:block_t:warps)
+
+--prefill times GLM-4.5V's router at prefill sizes instead (eight routers a graph): the float32
+linear of float32 copies of the activations and the bf16 weight, as the engine ran it, against
+linear_float32 (a 16-bit GEMM writing float32), each followed by the routing launch.
+    python bench/bench_router.py --prefill --ts 256,1024,2048,4096
 """
 import argparse
 import os
@@ -16,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_moe_sweep import graph_time_us  # noqa: E402
 
-from localchat.engine.layers.linear import linear  # noqa: E402
+from localchat.engine.layers.linear import linear, linear_float32  # noqa: E402
 from localchat.engine.weights.formats import DenseWeight  # noqa: E402
 from localchat.kernels.moe_router import router_glm, router_gpt_oss  # noqa: E402
 from localchat.kernels.moe_routing import route_glm, route_gpt_oss  # noqa: E402
@@ -28,8 +33,11 @@ MODELS = {"gpt-oss": (2880, 4), "glm-4.5v": (4096, 8)}
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ts", default="1,4,8,32")
+    p.add_argument("--prefill", action="store_true", help="GLM-4.5V's router at prefill sizes (see above)")
     p.add_argument("--tiles", default="32:1:4,64:1:4,64:1:2,128:1:4,128:1:8,256:1:8,64:2:4,64:4:4,128:4:8")
     args = p.parse_args()
+    if args.prefill:
+        return prefill(int(v) for v in args.ts.split(","))
     tiles = [tuple(int(v) for v in s.split(":")) for s in args.tiles.split(",")]
     for model, (k_dim, top_k) in MODELS.items():
         ws = [(torch.randn(128, k_dim, device="cuda") / 50).to(torch.bfloat16) for _ in range(COPIES)]
@@ -68,6 +76,27 @@ def main():
             same = (nids.sort(-1).values == oids.sort(-1).values).all(-1).float().mean().item()
             print(" | ".join(row) + f" || best {best[1]} {best[0]:.2f} us ({base / best[0]:.2f}x), "
                   f"tokens with the same experts as the old path: {same:.0%}", flush=True)
+
+
+def prefill(token_counts):
+    k_dim, top_k = MODELS["glm-4.5v"]
+    copies = 8
+    ws = [DenseWeight((torch.randn(128, k_dim, device="cuda") / 50).to(torch.bfloat16)) for _ in range(copies)]
+    bias = (torch.randn(128, device="cuda") / 10).float()
+    for t in token_counts:
+        x = torch.randn(t, k_dim, device="cuda").to(torch.bfloat16)
+        old = [lambda w=w: route_glm(linear(x.to(torch.float32), w), bias, top_k) for w in ws]
+        new = [lambda w=w: route_glm(linear_float32(x, w), bias, top_k) for w in ws]
+        t_old, t_new = graph_time_us(old), graph_time_us(new)
+        ref = x.double() @ ws[0].weight.double().T
+        err = {name: ((fn(x, ws[0]).double() - ref).abs().max() / ref.abs().max()).item()
+               for name, fn in (("float32 copies", lambda x, w: linear(x.float(), w)), ("linear_float32", linear_float32))}
+        _, old_ids = route_glm(linear(x.float(), ws[0]), bias, top_k)
+        _, new_ids = route_glm(linear_float32(x, ws[0]), bias, top_k)
+        same = (old_ids.sort(-1).values == new_ids.sort(-1).values).all(-1).float().mean().item()
+        print(f"glm-4.5v router T={t}: float32 copies + route {t_old:.1f} us, linear_float32 + route {t_new:.1f} us "
+              f"({t_old / t_new:.2f}x); logits' max error from float64 {err['float32 copies']:.1e} / "
+              f"{err['linear_float32']:.1e}; tokens with the same experts {same:.1%}", flush=True)
 
 
 if __name__ == "__main__":

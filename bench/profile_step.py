@@ -6,8 +6,17 @@ the paged kernel instead of cuDNN's).
     python bench/profile_step.py gpt-oss-120b --layers 4 --batch 1
     python bench/profile_step.py glm-4.5v-fp8 --layers 4 --prefill 2048
     python bench/profile_step.py glm-4.5v-fp8 --layers 4 --prefill 2048 --context 30720 [--no-cudnn]
+--wall also times eager steps with the profiler off (wall time a step, and the host's time to
+issue one while the GPU is held busy, so that neither waits for the other): a step whose host
+time reaches its wall time is bound by launches, not kernels; a host time near the busy spell
+means something in the step waited for the GPU. --host-profile N prints the N functions with the
+most host time (cProfile) of one step issued that way.
 """
 import argparse
+import cProfile
+import io
+import pstats
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -25,6 +34,8 @@ p.add_argument("--context", type=int, default=None,
                help="tokens already cached per sequence (default: 512 for a decode step, 0 for a prefill)")
 p.add_argument("--trace", action="store_true", help="also list the step's kernels in launch order")
 p.add_argument("--prefill", type=int, default=0, help="profile one prompt of this many tokens instead")
+p.add_argument("--wall", action="store_true", help="also time steps with the profiler off (wall and host time)")
+p.add_argument("--host-profile", type=int, default=0, help="print this many functions of a step's cProfile")
 p.add_argument("--no-cudnn", action="store_true", help="prefill attention on the paged kernel even after a long prefix")
 args = p.parse_args()
 if args.no_cudnn:
@@ -55,6 +66,33 @@ for name in args.models.split(","):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
+        if args.wall:
+            reps, busy_ms = 10, 200
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                step()
+            end.record()
+            torch.cuda.synchronize()
+            wall_us = start.elapsed_time(end) * 1e3 / reps
+            host_us = []
+            for _ in range(3):
+                torch.cuda._sleep(int(busy_ms * 1e-3 * 1.5e9))  # ~busy_ms of GPU cycles at H100/H200 clocks
+                t0 = time.perf_counter()
+                step()
+                host_us.append((time.perf_counter() - t0) * 1e6)
+                torch.cuda.synchronize()
+        if args.host_profile:
+            torch.cuda._sleep(int(0.5 * 1.5e9))
+            host = cProfile.Profile()
+            host.enable()
+            step()
+            host.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            stats = pstats.Stats(host, stream=text)
+            stats.sort_stats("tottime").print_stats(args.host_profile)
+            stats.sort_stats("cumulative").print_stats(args.host_profile)
     rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     rows.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in rows)
@@ -62,6 +100,12 @@ for name in args.models.split(","):
     what += f" after {cached} cached tokens" if cached else ""
     print(f"{name}: {args.layers} layers, {what}: {sum(e.count for e in rows)} kernels, "
           f"{total:.0f} us of kernel time in one eager step")
+    if args.wall:
+        print(f"  profiler off: {wall_us:.0f} us wall a step ({wall_us / args.layers:.0f} a layer), "
+              f"{min(host_us):.0f} us of host time to issue one (GPU held busy {busy_ms} ms; "
+              f"runs {', '.join(f'{h:.0f}' for h in host_us)}), kernels sum {total:.0f} us")
+    if args.host_profile:
+        print(text.getvalue())
     for e in rows[:25]:
         print(f"  {e.device_time_total:8.1f} us {100 * e.device_time_total / total:5.1f}%  x{e.count:4d} "
               f"({e.count / args.layers:5.1f}/layer)  {e.key[:90]}")

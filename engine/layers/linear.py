@@ -7,6 +7,8 @@ which reads the 1-byte weights directly.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +31,35 @@ def linear(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -
     else:
         weight = w.dequantize(x.dtype)
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def mm_float32_out_works(device_index: int) -> bool:
+    """Whether torch.mm takes 16-bit operands to a float32 product on this GPU (out_dtype; cuBLAS
+    summing in float32), tried once per device on a small product against float64."""
+    dev = torch.device("cuda", device_index)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(40, 320, device=dev, generator=gen).to(torch.bfloat16)
+    b = torch.randn(320, 24, device=dev, generator=gen).to(torch.bfloat16)
+    try:
+        out = torch.mm(a, b, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    ref = a.double() @ b.double()
+    return out.dtype == torch.float32 and bool(((out.double() - ref).abs().max() / ref.abs().max()) < 1e-5)
+
+
+def linear_float32(x: torch.Tensor, w: DenseWeight) -> torch.Tensor:
+    """x [T, K] @ W^T [K, N] -> [T, N] float32, as the float32 linear of both operands computes it
+    (GLM's router). Products of two bf16 or fp16 values are exact in float32, so on CUDA a 16-bit
+    GEMM that sums in float32 and writes float32 is that linear, up to the order of its sums,
+    without float32 copies of the activations and the weight or float32's SIMT GEMM (at 2048
+    tokens of GLM-4.5V: ~83 us a MoE layer that way)."""
+    weight = w.weight
+    if (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and mm_float32_out_works(x.device.index if x.device.index is not None else torch.cuda.current_device())):
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return F.linear(x.to(torch.float32), weight.to(torch.float32))
 
 
 def concat_rows(weights: list[LinearWeight], biases: list[torch.Tensor | None]

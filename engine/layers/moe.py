@@ -15,7 +15,7 @@ from ...kernels.moe_routing import route_glm, route_glm_ref, route_gpt_oss, rout
 from ..parallel.context import SINGLE, ParallelContext
 from ..spec import ModelSpec
 from ..weights.formats import DenseWeight
-from .linear import linear
+from .linear import linear, linear_float32
 from .mlp import GatedMLP
 
 
@@ -39,7 +39,7 @@ class MoeBlock:
         ex = f"{prefix}.experts"
         if m.router == "sigmoid_bias":
             # GLM scores experts in float32 (sigmoid of x W^T); the bf16 weight is kept, since the
-            # one-launch router upcasts it exactly and the linear converts it per call.
+            # one-launch router and linear_float32 both read it as it is.
             self.router = DenseWeight(weights[f"{prefix}.gate.weight"])
             self.router_bias = weights[f"{prefix}.gate.e_score_correction_bias"]
         else:
@@ -76,7 +76,7 @@ class MoeBlock:
             return router_gpt_oss(x, self.router.weight, self.router_bias, m.top_k)
         if m.router == "sigmoid_bias":
             # The correction bias steers only the choice of experts, not their weights.
-            logits = linear(x.to(torch.float32), self.router)
+            logits = linear_float32(x, self.router)
             route = route_glm if on_gpu else route_glm_ref
             weights, ids = route(logits, self.router_bias, m.top_k, m.norm_topk_prob, m.routed_scaling_factor,
                                  m.n_group, m.topk_group)
