@@ -9,8 +9,9 @@ kernels one by one (torch profiler). The first FP8 tile on e4m3 activations is c
 the reference at each size, every MXFP4 tile against the default.
     python bench/bench_moe_prefill.py [--ts 64,256,1024,4096] [--only fp8_channel,fp8_block,mxfp4,mxfp4_20b]
         [--tiles 64:128:128:8:3,...] [--mma-tiles 32:64:128:4:3,...] [--kernels]
-    (tiles block_m:block_n:block_k:num_warps:num_stages; MXFP4 tiles may add
-    /block_n:block_k:num_warps:num_stages of the down kernel)
+    (tiles block_m:block_n:block_k:num_warps:num_stages, FP8 ones with ":p" after them turned
+    pairs-major (MoeConfig.pairs_major); either may add /block_n:block_k:num_warps:num_stages of the
+    down kernel). With --kernels every variant's kernels are listed.
 """
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ def _mma_tile(spec: str) -> MoeConfig:
                      down_tile=tuple(int(v) for v in down.split(":")) if down else None)
 
 
+def _fp8_tile(spec: str) -> MoeConfig:
+    main_tile, _, down = spec.partition("/")
+    parts = main_tile.split(":")
+    return MoeConfig(*(int(v) for v in parts[:5]), fp8_act=True, pairs_major=parts[-1] == "p",
+                     down_tile=tuple(int(v) for v in down.split(":")) if down else None)
+
+
 def kernel_times_us(fn) -> list[tuple[str, float]]:
     """(kernel name, us) of one call of fn, in launch order, from the torch profiler."""
     fn()
@@ -61,7 +69,7 @@ def main() -> None:
     p.add_argument("--mma-tiles", default="64:64:128:4:3,128:64:128:4:3,32:64:128:4:3,64:128:128:8:3")
     p.add_argument("--kernels", action="store_true", help="also list the default's kernels with their times")
     args = p.parse_args()
-    fp8_tiles = [MoeConfig(*(int(v) for v in s.split(":")), fp8_act=True) for s in args.tiles.split(",") if s]
+    fp8_tiles = [_fp8_tile(s) for s in args.tiles.split(",") if s]
     mma_tiles = [_mma_tile(s) for s in args.mma_tiles.split(",") if s]
     arch = gpu_arch(torch.device("cuda"))
     for fmt in args.only.split(","):
@@ -82,10 +90,11 @@ def main() -> None:
                 variants.append(("default tile, e4m3 activations", replace(base, fp8_act=True), None))
             variants += [(f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
                           + (" down {}x{} w{} s{}".format(*c.down_tile) if c.down_tile else "")
-                          + (", e4m3" if c.fp8_act else ""), c, None) for c in tiles]
+                          + (", e4m3" if c.fp8_act else "") + (", pairs-major" if c.pairs_major else ""), c, None)
+                         for c in tiles]
             print(f"{fmt} T={t} ({t * k} pairs, {ids.unique().numel()} experts, {flops / 1e9:.0f} GFLOP, "
                   f"{nbytes / 1e9:.2f} GB):", flush=True)
-            expected = fused_moe(x, experts, w, ids) if mxfp4 else None
+            expected = fused_moe(x, experts, w, ids)
             for n, (label, cfg, shown) in enumerate(variants):
                 try:
                     ms = eager_time_ms(lambda: fused_moe(x, experts, w, ids, config=cfg))
@@ -93,20 +102,20 @@ def main() -> None:
                     print(f"  {label}: failed ({type(ex).__name__}: {str(ex)[:120]})")
                     continue
                 note = ""
-                if mxfp4 and cfg is not None:
+                if cfg is not None and (mxfp4 or cfg.fp8_act == base.fp8_act):
                     note = f"; rel err {rel_err(fused_moe(x, experts, w, ids, config=cfg), expected):.1e} against the default"
-                elif cfg is not None and cfg.fp8_act and n == len(variants) - len(tiles) and t <= 1024:
+                if not mxfp4 and cfg is not None and cfg.fp8_act and n == len(variants) - len(tiles) and t <= 1024:
                     out = fused_moe(x, experts, w, ids, config=cfg)
                     alike = rel_err(out, fused_moe_ref(x, experts, w, ids, config=cfg))
                     exact = rel_err(out, fused_moe_ref(x, experts, w, ids, config=replace(base, fp8_act=False)))
-                    note = f"; rel err {alike:.1e} against the reference quantised alike, {exact:.1e} unquantised"
+                    note += f"; rel err {alike:.1e} against the reference quantised alike, {exact:.1e} unquantised"
                 cfg_text = f" {shown}" if shown is not None else ""
                 print(f"  {label}: {ms * 1e3:9.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s  "
                       f"{nbytes / ms / 1e6:6.0f} GB/s ({nbytes / ms / 1e6 / COPY_CEILING_GBS:.0%} of copy){note}{cfg_text}",
                       flush=True)
-            if args.kernels:
-                for name, us in kernel_times_us(lambda: fused_moe(x, experts, w, ids)):
-                    print(f"    {us:9.1f} us  {name}")
+                if args.kernels:
+                    for name, us in kernel_times_us(lambda: fused_moe(x, experts, w, ids, config=cfg)):
+                        print(f"    {us:9.1f} us  {name}")
 
 
 if __name__ == "__main__":

@@ -90,9 +90,12 @@ for name in args.models.split(","):
             host.disable()
             torch.cuda.synchronize()
             text = io.StringIO()
-            stats = pstats.Stats(host, stream=text)
-            stats.sort_stats("tottime").print_stats(args.host_profile)
-            stats.sort_stats("cumulative").print_stats(args.host_profile)
+            table = pstats.Stats(host).stats  # (file, line, name) -> (calls, calls, own s, cumulative s, callers)
+            for title, col in (("own", 2), ("cumulative", 3)):
+                print(f"host time by function ({title}, us under cProfile, which adds to it):", file=text)
+                for (file, line, fn), row in sorted(table.items(), key=lambda kv: -kv[1][col])[:args.host_profile]:
+                    where = "/".join(file.split("/")[-2:])
+                    print(f"  {row[3] * 1e6:8.0f} cum {row[2] * 1e6:8.0f} own  x{row[1]:4d}  {where}:{line}({fn})", file=text)
     rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     rows.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in rows)

@@ -161,12 +161,18 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
     if cfg.gemv and cfg.mx_words and FMT_MXFP4 in (fmt, fmt_d) and cfg.block_m > 4:
         raise ValueError(f"the MXFP4 word-decode kernels take at most 4 pairs per program, got block_m {cfg.block_m}")
     row_kernels = cfg.gemv and cfg.block_m == 1 and fmt_d != FMT_MXFP4
-    if (cfg.fused_combine and not row_kernels) or (cfg.down_tile and not (row_kernels or cfg.mx_mma or cfg.mx_half2)):
+    tiles = not (cfg.gemv or cfg.mx_mma or cfg.mx_half2)
+    if (cfg.fused_combine and not row_kernels) or (cfg.down_tile and not (row_kernels or cfg.mx_mma or cfg.mx_half2
+                                                                          or tiles)):
         raise ValueError("fused_combine needs the dense or FP8 row kernels with one pair per program (gemv=True, "
-                         "block_m=1); down_tile those, the MXFP4 packed-f16 or the tensor-core kernels")
+                         "block_m=1); down_tile those, the MXFP4 packed-f16, the MXFP4 tensor-core kernels or "
+                         "the tensor-core tiles")
     if down_blk_k and not _fp8_block_k_fits(cfg.down_tile[1], cfg.gemv, down_blk_k):
         raise ValueError(f"down_tile block_k {cfg.down_tile[1]} must divide the FP8 scale block {sdblock} or be a "
                          "multiple of a power-of-two block")
+    if cfg.pairs_major and (cfg.gemv or cfg.mx_mma or cfg.mx_half2 or FMT_MXFP4 in (fmt, fmt_d) or cfg.block_m % 16):
+        raise ValueError("pairs_major is a form of the dense and FP8 tensor-core tiles (gemv, mx_mma and mx_half2 "
+                         f"off, no MXFP4 weights) with block_m a multiple of 16, got {cfg}")
     num_pairs = t * k
     has_bias, bg, bu, bias_strides = _gate_up_biases(experts, x)
     if cfg.mx_mma:
@@ -211,7 +217,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
         xq, xs = _quantized_rows(x) if x_scaled else (x, x)
         moe_gate_up_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             xq, xq.stride(0), *gate_up_args[2:], xs, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt,
-            X_SCALED=x_scaled, **gate_up_meta)
+            X_SCALED=x_scaled, PAIRS_MAJOR=cfg.pairs_major, **gate_up_meta)
     y = torch.empty((num_pairs, h), dtype=_pair_rows_dtype(x, cfg), device=x.device)
     has_down_bias, bd, bd_stride = _down_bias(experts, x)
     pair_weights = topk_weights.reshape(-1).to(torch.float32)
@@ -236,9 +242,11 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
             return out
     else:
         aq, a_scales = _quantized_rows(act) if x_scaled else (act, act)
-        moe_down_kernel[(b_max, triton.cdiv(h, cfg.block_n))](
+        down_n, down_k, down_warps, down_stages = cfg.down_launch
+        down_meta.update(BLOCK_N=down_n, BLOCK_K=down_k, num_warps=down_warps, num_stages=down_stages)
+        moe_down_kernel[(b_max, triton.cdiv(h, down_n))](
             aq, aq.stride(0), *down_args[2:], a_scales, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt,
-            X_SCALED=x_scaled, **down_meta)
+            X_SCALED=x_scaled, PAIRS_MAJOR=cfg.pairs_major, **down_meta)
     return _combine(y, topk_ids, out)
 
 

@@ -69,13 +69,16 @@ class MoeConfig:
     # dense/FP8 row kernels, one pair per program: the down kernel adds each token's rows itself
     # (the last of its pair programs per row block; no combine launch)
     fused_combine: bool = False
-    # dense/FP8 row kernels, mx_half2 and mx_mma: (block_n, block_k, num_warps, num_stages) of the down
-    # GEMM, whose shape differs from gate/up's (GLM-4.5V: 4096 rows of 1408 against 2 x 1408
-    # rows of 4096; gpt-oss: one matrix against two)
+    # dense/FP8 row kernels and tensor-core tiles, mx_half2 and mx_mma: (block_n, block_k,
+    # num_warps, num_stages) of the down GEMM, whose shape differs from gate/up's (GLM-4.5V: 4096
+    # rows of 1408 against 2 x 1408 rows of 4096; gpt-oss: one matrix against two)
     down_tile: tuple[int, int, int, int] | None = None
     # FP8 tensor-core tiles (gemv False): both GEMMs' activations quantised to e4m3 with a scale a
     # row, so the dots run FP8 x FP8 instead of converting the weights to bf16 (fp8_activations)
     fp8_act: bool = False
+    # dense/FP8 tensor-core tiles (gemv False): the tile the other way round, pairs as the MMA's M
+    # and weight rows as its N (kernels/moe_gemm.py, PAIRS_MAJOR); block_m a multiple of 16
+    pairs_major: bool = False
     # mx_half2: K steps after the last whole block_k (gpt-oss's 2880 = 11 * 256 + 64), so no
     # decoded code is masked off; block_k gives one masked step instead
     tail_k: int = 64
@@ -233,24 +236,46 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
     elif per_expert <= 48:
         # FP8 at 16 pairs per expert (GLM-4.5V, 256 tokens): 32x64 908 us, 16x32 1176 us
         cfg = MoeConfig(32, 64, block_k, 4, 4)
+    elif fmt == FMT_FP8_ROW and arch.fp8 and arch.mma_from_shared:
+        # FP8 channel scales on wgmma GPUs above 48 pairs per expert: the tiles turned pairs-major,
+        # gate/up 128 pairs by 128 rows (of each), down 128 by 256 (wgmma 64x128 and 64x256 where
+        # the 64x128 tiles the other way round issued 64x64), four stages. H100, GLM-4.5V shapes,
+        # gate/up + down kernel time (bench/bench_moe_prefill.py --kernels; BENCHMARKS.md,
+        # "Prefill: GLM-4.5V's FP8 experts"): 1024 tokens 923 -> 858 us, 2048 1342 -> 1035, 4096
+        # 2157 -> 1517. Block scales keep the tiles below: their per-step scaling spills there.
+        cfg = MoeConfig(128, 128, 128, 8, 4, pairs_major=True, down_tile=(256, 128, 8, 4))
     else:
         # FP8 at 64 pairs per expert (GLM-4.5V, 1024 tokens): K step 128 2092 us, 64 2506 us
         cfg = MoeConfig(64, 128, 64 if fmt == FMT_DENSE else 128, 8, 3)
-    # FP8 weights from 17 pairs per expert: the activations quantised to e4m3 a row at a time and
+    # FP8 weights from 16 pairs per expert: the activations quantised to e4m3 a row at a time and
     # the dots FP8 x FP8, instead of the weights converted to bf16 in registers. H100, GLM-4.5V
     # shapes, channel / block scales (bench/bench_moe_prefill.py): 1024 tokens 2539 -> 1383 /
     # 2206 -> 1299 us, 4096 tokens 6762 -> 3215 / 5584 -> 2981 us; at 256 tokens (16 pairs per
-    # expert) 1124 -> 1189 / 1165 -> 967 and at 64 960 -> 818 / 898 -> 898, mixed, so left as they were
-    fp8_act = fmt in (FMT_FP8_ROW, FMT_FP8_BLK) and arch.fp8 and per_expert > 16
+    # expert) channel scales 844 -> 646 us of gate/up + down kernel time since the FP8 dots sum in
+    # place (1124 -> 1189 before), block scales 1165 -> 967; at 64 tokens 960 -> 818 / 898 -> 898,
+    # mixed. At 8 and 12 pairs an expert the kernels are 10-15% shorter with e4m3 activations too,
+    # but an eager prefill that size waits on the host's launches (bench/profile_step.py --wall),
+    # which the two quantisation launches would lengthen, so they start at 16.
+    fp8_act = fmt in (FMT_FP8_ROW, FMT_FP8_BLK) and arch.fp8 and per_expert >= 16
     # Pipelined tiles must fit in shared memory (227 KiB a program on Hopper, 99 KiB on Ada and
     # consumer Blackwell): fewer stages for wide (fp32) operands or a smaller GPU. Where the
     # tensor cores read both operands from shared memory (Hopper's wgmma) every stage has a
     # buffer; with mma.sync (Ampere, Ada, consumer Blackwell) the compiler keeps stages - 1
     # (sm_89 / sm_120 compiles, tests/kernels/hopper_compile.py).
+    x_bytes = 1 if fp8_act else elem_bytes
     w_bytes = {FMT_DENSE: elem_bytes, FMT_MXFP4: 0.5}.get(fmt, 1)
-    stage_bytes = cfg.block_k * (cfg.block_m * elem_bytes + 2 * cfg.block_n * w_bytes)
     budget = min(SHARED_MEMORY_BUDGET, arch.shared_memory - SHARED_MEMORY_MARGIN)
-    stages = cfg.num_stages
-    while stages > 1 and (stages if arch.mma_from_shared else stages - 1) * stage_bytes > budget:
-        stages -= 1
-    return MoeConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stages, fp8_act=fp8_act)
+
+    def fitted(stages: int, block_n: int, block_k: int, stacks: int) -> int:
+        stage_bytes = block_k * (cfg.block_m * x_bytes + stacks * block_n * w_bytes)
+        while stages > 1 and (stages if arch.mma_from_shared else stages - 1) * stage_bytes > budget:
+            stages -= 1
+        return stages
+
+    down_tile = None
+    if cfg.down_tile:
+        down_n, down_k, down_warps, down_stages = cfg.down_tile
+        down_tile = (down_n, down_k, down_warps, fitted(down_stages, down_n, down_k, 1))
+    return MoeConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
+                     fitted(cfg.num_stages, cfg.block_n, cfg.block_k, 2), fp8_act=fp8_act,
+                     pairs_major=cfg.pairs_major, down_tile=down_tile)

@@ -19,6 +19,11 @@ FP8 accumulation, as vLLM's Triton fused MoE does for such weights
 (vllm/model_executor/layers/fused_moe/fused_moe.py), so the compiler keeps each step's wgmma in
 flight; block scales multiply each step's dot before it is added, one wait a step.
 
+PAIRS_MAJOR (FP8 and dense weights) turns the tile round: out [BLOCK_M, BLOCK_N] = X @ W^T, the
+pairs as the tensor cores' M and the weight rows as their N. Hopper's wgmma takes M in steps of
+64 per warp group and N up to 256, so prefill-sized blocks of pairs against wide rows of weights
+issue fewer, wider instructions that way round.
+
 Kernel 1 computes both gate and up tiles for the same pairs and applies the GLU activation;
 kernel 2 applies the down projection, the down bias and the routing weight of each pair.
 """
@@ -63,12 +68,61 @@ def _to_dot_dtype(w, dtype: tl.constexpr):
 
 
 @triton.jit
+def along_n(v, PAIRS_MAJOR: tl.constexpr):
+    """A vector over a tile's weight rows, broadcast along its pairs."""
+    if PAIRS_MAJOR:
+        return v[None, :]
+    else:
+        return v[:, None]
+
+
+@triton.jit
+def along_m(v, PAIRS_MAJOR: tl.constexpr):
+    """A vector over a tile's pairs, broadcast along its weight rows."""
+    if PAIRS_MAJOR:
+        return v[:, None]
+    else:
+        return v[None, :]
+
+
+@triton.jit
+def tile_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS_MAJOR: tl.constexpr):
+    """A float32 accumulator in the tile's orientation: [BLOCK_M, BLOCK_N] pairs-major, else
+    [BLOCK_N, BLOCK_M]."""
+    if PAIRS_MAJOR:
+        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        return tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+
+
+@triton.jit
+def _oriented_dot(w, x, PAIRS_MAJOR: tl.constexpr):
+    """w [BLOCK_N, BLOCK_K] with x [BLOCK_M, BLOCK_K] (PAIRS_MAJOR: -> x @ w^T) or x^T [BLOCK_K,
+    BLOCK_M] (-> w @ x^T)."""
+    if PAIRS_MAJOR:
+        return tl.dot(x, tl.trans(w))
+    else:
+        return tl.dot(w, x)
+
+
+@triton.jit
+def _oriented_dot_acc(w, x, acc, PAIRS_MAJOR: tl.constexpr):
+    """_oriented_dot summed into acc by the dot itself."""
+    if PAIRS_MAJOR:
+        return tl.dot(x, tl.trans(w), acc)
+    else:
+        return tl.dot(w, x, acc)
+
+
+@triton.jit
 def _weight_dot(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, x_rows, x_valid, stride_xt,
                 stride_we, stride_wn, stride_se, stride_sn, stride_sk,
                 FORMAT: tl.constexpr, MX_DOT_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-                BLOCK_K: tl.constexpr, X_FMT: tl.constexpr, X_SCALED: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] += W[e, n, k0:k0+BLOCK_K] @ X[x_rows, k0:k0+BLOCK_K]^T. X_SCALED: X is
-    e4m3 (rows quantised with a scale each, applied by the caller) and W FP8: an FP8 x FP8 dot."""
+                BLOCK_K: tl.constexpr, X_FMT: tl.constexpr, X_SCALED: tl.constexpr,
+                PAIRS_MAJOR: tl.constexpr = False):
+    """acc [BLOCK_N, BLOCK_M] += W[e, n, k0:k0+BLOCK_K] @ X[x_rows, k0:k0+BLOCK_K]^T (PAIRS_MAJOR, not
+    for MXFP4: acc [BLOCK_M, BLOCK_N] += X[x_rows] @ W[e, n]^T). X_SCALED: X is e4m3 (rows quantised
+    with a scale each, applied by the caller) and W FP8: an FP8 x FP8 dot."""
     x_dtype = x_ptr.dtype.element_ty
     w_base = w_ptr + e.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn
     if FORMAT == 3:
@@ -100,40 +154,45 @@ def _weight_dot(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, x_rows, x_valid, 
         kk = k0 + tl.arange(0, BLOCK_K)
         k_mask = kk < K
         w = tl.load(w_base + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        xt = tl.load(x_ptr + x_rows[None, :] * stride_xt + kk[:, None],
-                     mask=x_valid[None, :] & k_mask[:, None], other=0.0)
+        if PAIRS_MAJOR:
+            xk = tl.load(x_ptr + x_rows[:, None] * stride_xt + kk[None, :],
+                         mask=x_valid[:, None] & k_mask[None, :], other=0.0)
+        else:
+            xk = tl.load(x_ptr + x_rows[None, :] * stride_xt + kk[:, None],
+                         mask=x_valid[None, :] & k_mask[:, None], other=0.0)
         if X_SCALED and FORMAT != 2:
             # summed inside the dot: an FP8 dot's result added afterwards is not folded into it (its
             # accumulation is not float32's), so each K step's wgmma was waited for before the next
-            acc = tl.dot(w, xt, acc)
+            acc = _oriented_dot_acc(w, xk, acc, PAIRS_MAJOR)
         elif FORMAT == 2:
             # BLOCK_K divides SBK, so one K step lies inside one scale block
-            part = tl.dot(w, xt) if X_SCALED else tl.dot(_to_dot_dtype(w, x_dtype), xt)
+            part = _oriented_dot(w if X_SCALED else _to_dot_dtype(w, x_dtype), xk, PAIRS_MAJOR)
             s = tl.load(s_ptr + e.to(tl.int64) * stride_se + (n // SBN) * stride_sn + (k0 // SBK) * stride_sk,
                         mask=n_mask, other=0.0)
-            acc += part * s[:, None]
+            acc += part * along_n(s, PAIRS_MAJOR)
         else:
-            acc += tl.dot(_to_dot_dtype(w, x_dtype), xt)
+            acc += _oriented_dot(_to_dot_dtype(w, x_dtype), xk, PAIRS_MAJOR)
     return acc
 
 
 @triton.jit
-def _row_scale(acc, s_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT: tl.constexpr):
+def _row_scale(acc, s_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT: tl.constexpr,
+               PAIRS_MAJOR: tl.constexpr = False):
     if FORMAT == 1:
         s = tl.load(s_ptr + e.to(tl.int64) * stride_se + n * stride_sn, mask=n_mask, other=0.0)
-        acc = acc * s[:, None]
+        acc = acc * along_n(s, PAIRS_MAJOR)
     return acc
 
 
 @triton.jit
 def glu_tile(acc_g, acc_u, bg_ptr, bu_ptr, stride_be, stride_bn, e, n, n_mask, alpha, limit,
-             ACT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Gate and up tiles [BLOCK_N, BLOCK_M] (float32, rows n of expert e) -> act(gate + bias,
-    up + bias). ACT 0: silu(gate) * up; 1: gpt-oss clamped SwiGLU."""
+             ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PAIRS_MAJOR: tl.constexpr = False):
+    """Gate and up tiles [BLOCK_N, BLOCK_M] (PAIRS_MAJOR: [BLOCK_M, BLOCK_N]; float32, rows n of
+    expert e) -> act(gate + bias, up + bias). ACT 0: silu(gate) * up; 1: gpt-oss clamped SwiGLU."""
     if HAS_BIAS:
         b_off = e.to(tl.int64) * stride_be + n * stride_bn
-        acc_g += tl.load(bg_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        acc_u += tl.load(bu_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        acc_g += along_n(tl.load(bg_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32), PAIRS_MAJOR)
+        acc_u += along_n(tl.load(bu_ptr + b_off, mask=n_mask, other=0.0).to(tl.float32), PAIRS_MAJOR)
     if ACT == 0:
         return acc_g * tl.sigmoid(acc_g) * acc_u
     else:
@@ -153,9 +212,11 @@ def moe_gate_up_kernel(
         sorted_ids_ptr, block_expert_ptr, num_pairs, N, K, top_k, alpha, limit, xs_ptr,
         FORMAT: tl.constexpr, MX_DOT_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
         X_FMT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_SCALED: tl.constexpr = False):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_SCALED: tl.constexpr = False,
+        PAIRS_MAJOR: tl.constexpr = False):
     """out[p, n] = act(gate_p[n], up_p[n]) with gate_p = Wg[e] @ x[p // top_k] (+ bias). X_SCALED: x
-    holds e4m3 rows, x[t] * xs[t] the token's activations (FP8 weights only)."""
+    holds e4m3 rows, x[t] * xs[t] the token's activations (FP8 weights only). PAIRS_MAJOR: the
+    tile's orientation (module docstring; not MXFP4)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -167,24 +228,26 @@ def moe_gate_up_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
 
-    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_g = tile_zeros(BLOCK_M, BLOCK_N, PAIRS_MAJOR)
+    acc_u = tile_zeros(BLOCK_M, BLOCK_N, PAIRS_MAJOR)
     for k0 in range(0, K, BLOCK_K):
         acc_g = _weight_dot(acc_g, wg_ptr, sg_ptr, e, n, n_mask, k0, K, x_ptr, tokens, valid, stride_xt,
                             stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                            FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT, X_SCALED)
+                            FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT, X_SCALED, PAIRS_MAJOR)
         acc_u = _weight_dot(acc_u, wu_ptr, su_ptr, e, n, n_mask, k0, K, x_ptr, tokens, valid, stride_xt,
                             stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                            FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT, X_SCALED)
-    acc_g = _row_scale(acc_g, sg_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
-    acc_u = _row_scale(acc_u, su_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
+                            FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT, X_SCALED, PAIRS_MAJOR)
+    acc_g = _row_scale(acc_g, sg_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT, PAIRS_MAJOR)
+    acc_u = _row_scale(acc_u, su_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT, PAIRS_MAJOR)
     if X_SCALED:
-        xs = tl.load(xs_ptr + tokens, mask=valid, other=0.0)[None, :]
+        xs = along_m(tl.load(xs_ptr + tokens, mask=valid, other=0.0), PAIRS_MAJOR)
         acc_g *= xs
         acc_u *= xs
-    h = glu_tile(acc_g, acc_u, bg_ptr, bu_ptr, stride_be, stride_bn, e, n, n_mask, alpha, limit, ACT, HAS_BIAS)
-    out_ptrs = out_ptr + pairs[None, :].to(tl.int64) * stride_ot + n[:, None]
-    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[None, :] & n_mask[:, None])
+    h = glu_tile(acc_g, acc_u, bg_ptr, bu_ptr, stride_be, stride_bn, e, n, n_mask, alpha, limit, ACT, HAS_BIAS,
+                 PAIRS_MAJOR)
+    out_ptrs = out_ptr + along_m(pairs.to(tl.int64) * stride_ot, PAIRS_MAJOR) + along_n(n, PAIRS_MAJOR)
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty),
+             mask=along_m(valid, PAIRS_MAJOR) & along_n(n_mask, PAIRS_MAJOR))
 
 
 @triton.jit
@@ -197,10 +260,12 @@ def moe_down_kernel(
         sorted_ids_ptr, block_expert_ptr, num_pairs, N, K, as_ptr,
         FORMAT: tl.constexpr, MX_DOT_SCALED: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
         X_FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_SCALED: tl.constexpr = False):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_SCALED: tl.constexpr = False,
+        PAIRS_MAJOR: tl.constexpr = False):
     """out[p, n] = w_p * (Wd[e] @ a[p] + bd[e])[n], summed in float32 and stored in out's dtype
     (float32 or bf16), one row per (token, expert) pair.
-    X_SCALED: a holds e4m3 rows, a[p] * as[p] the pair's activations (FP8 weights only)."""
+    X_SCALED: a holds e4m3 rows, a[p] * as[p] the pair's activations (FP8 weights only).
+    PAIRS_MAJOR: the tile's orientation (module docstring; not MXFP4)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -212,20 +277,22 @@ def moe_down_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
 
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tile_zeros(BLOCK_M, BLOCK_N, PAIRS_MAJOR)
     for k0 in range(0, K, BLOCK_K):
         acc = _weight_dot(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, a_ptr, rows, valid, stride_at,
                           stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                          FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT, X_SCALED)
-    acc = _row_scale(acc, s_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT)
+                          FORMAT, MX_DOT_SCALED, SBN, SBK, BLOCK_K, X_FMT, X_SCALED, PAIRS_MAJOR)
+    acc = _row_scale(acc, s_ptr, e, n, n_mask, stride_se, stride_sn, FORMAT, PAIRS_MAJOR)
     if X_SCALED:
-        acc *= tl.load(as_ptr + rows, mask=valid, other=0.0)[None, :]
+        acc *= along_m(tl.load(as_ptr + rows, mask=valid, other=0.0), PAIRS_MAJOR)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        acc += along_n(tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_mask, other=0.0).to(tl.float32),
+                       PAIRS_MAJOR)
     gate = tl.load(pair_weights_ptr + rows, mask=valid, other=0.0)
-    acc = acc * gate[None, :]
-    out_ptrs = out_ptr + rows[None, :] * stride_ot + n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[None, :] & n_mask[:, None])
+    acc = acc * along_m(gate, PAIRS_MAJOR)
+    out_ptrs = out_ptr + along_m(rows * stride_ot, PAIRS_MAJOR) + along_n(n, PAIRS_MAJOR)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+             mask=along_m(valid, PAIRS_MAJOR) & along_n(n_mask, PAIRS_MAJOR))
 
 
 @triton.jit

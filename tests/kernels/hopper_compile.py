@@ -438,16 +438,18 @@ def _prefill_tiles(arch: GpuArch):
             types = _types({**{n: types(n) for n in moe_gate_up_kernel.arg_names}, "x_ptr": "*fp8e4nv",
                             "xs_ptr": "*fp32"})
         tile = dict(FORMAT=fmt, MX_DOT_SCALED=True, SBN=1, SBK=1, X_FMT="bf16", HAS_BIAS=False, BLOCK_M=cfg.block_m,
-                    BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_SCALED=cfg.fp8_act)
+                    BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_SCALED=cfg.fp8_act, PAIRS_MAJOR=cfg.pairs_major)
         label = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}, {cfg.num_stages} stages"
-                 + (", e4m3 activations" if cfg.fp8_act else ""))
+                 + (", e4m3 activations" if cfg.fp8_act else "") + (", pairs-major" if cfg.pairs_major else ""))
         cases.append((f"{kind} gate/up tile {label}", moe_gate_up_kernel, types, dict(tile, ACT=0), cfg.num_warps,
                       cfg.num_stages))
         if cfg.fp8_act:
             down_types = _types({**{n: TILE_FP8(n) for n in moe_down_kernel.arg_names}, "a_ptr": "*fp8e4nv",
-                                 "as_ptr": "*fp32", "out_ptr": "*fp32"})
-            cases.append((f"{kind} down tile {label}", moe_down_kernel, down_types, tile, cfg.num_warps,
-                          cfg.num_stages))
+                                 "as_ptr": "*fp32", "out_ptr": "*bf16"})
+            down_n, down_k, down_warps, down_stages = cfg.down_launch
+            cases.append((f"{kind} down tile {cfg.block_m}x{down_n}x{down_k}, {down_stages} stages (of {label})",
+                          moe_down_kernel, down_types, dict(tile, BLOCK_N=down_n, BLOCK_K=down_k), down_warps,
+                          down_stages))
     return cases
 
 

@@ -1,4 +1,6 @@
 """Fused MoE forward against the per-expert float32 reference, in every weight format."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -65,6 +67,46 @@ def test_fp8_tiles_on_e4m3_activations(fmt):
     assert 2e-3 < rel_err(out, exact) < 8e-2
     unscaled = fused_moe(x, experts, w, ids, config=MoeConfig(16, 32, 16, 1, 1))
     assert rel_err(unscaled, exact) < 1e-4
+
+
+@pytest.mark.parametrize("fmt,dtype,fp8_act,bias", [
+    ("dense", torch.float32, False, True),
+    ("dense", torch.float16, False, False),
+    ("fp8_channel", torch.float32, False, False),
+    ("fp8_channel", torch.float32, True, False),
+    ("fp8_block", torch.float16, False, True),
+    ("fp8_block", torch.float32, True, False),
+])
+def test_pairs_major_tiles_match_the_weight_major_ones(fmt, dtype, fp8_act, bias):
+    # The same tiles turned round (pairs as the MMA's M): same products, other summation order.
+    # 19 tokens: a partial pair block; K=80 a partial K tile and partial FP8 scale blocks; biases
+    # and gpt-oss's clamped SwiGLU on some, so every epilogue term is laid along the right axis.
+    e, k, h, i, t = 6, 2, 80, 40, 19
+    gate, up, down = _glm_weights(fmt, e, i, h, dtype if fmt == "dense" else torch.float32)
+    biases = (torch.randn(e, i, device=DEV), torch.randn(e, i, device=DEV), torch.randn(e, h, device=DEV)) \
+        if bias else (None, None, None)
+    experts = MoeExperts(gate, up, down, *biases, activation="swiglu_clamped" if bias else "silu_glu")
+    x = torch.randn(t, h, device=DEV).to(dtype) * torch.rand(t, 1, device=DEV).to(dtype) * 4
+    w, ids = random_routing(t, e, k)
+    ids[3, 1] = -1  # a pair another rank holds adds nothing
+    cfg = MoeConfig(16, 32, 16, 1, 1, fp8_act=fp8_act)
+    turned = MoeConfig(16, 32, 16, 1, 1, fp8_act=fp8_act, pairs_major=True)
+    out = fused_moe(x, experts, w, ids, config=turned)
+    assert out.dtype == dtype
+    assert rel_err(out, fused_moe(x, experts, w, ids, config=cfg)) < TOL[dtype]
+    assert rel_err(out, fused_moe_ref(x, experts, w, ids, config=cfg)) < TOL[dtype]
+    # down on a tile of its own: 64 rows leave a partial block of H=80, K steps of 32 a partial one of I=40
+    own_down = fused_moe(x, experts, w, ids, config=replace(turned, down_tile=(64, 32, 1, 1)))
+    assert rel_err(own_down, out) < TOL[dtype]
+
+
+def test_pairs_major_refuses_what_it_does_not_cover():
+    e, k, h, i, t = 4, 2, 64, 32, 5
+    experts = random_gpt_oss_experts(e, i, h)
+    x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    w, ids = random_routing(t, e, k)
+    with pytest.raises(ValueError, match="pairs_major"):
+        fused_moe(x, experts, w, ids, config=MoeConfig(16, 32, 64, 1, 1, pairs_major=True))
 
 
 @pytest.mark.parametrize("dot_scaled", [True, False])
@@ -137,6 +179,21 @@ def test_glm45v_moe_gpu(fmt, t):
     us = cuda_time_us(lambda: fused_moe(x, experts, w, ids))
     gbs = _expert_bytes(experts, ids) / us / 1e3
     print(f"\nGLM-4.5V MoE {fmt} T={t}: {us:.1f} us, {gbs:.0f} GB/s ({gbs / 4270:.0%} of copy)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8_channel", "fp8_block"])
+@pytest.mark.parametrize("t", [256, 2048])
+def test_glm45v_pairs_major_tiles_gpu(fmt, t):
+    """The turned tiles at GLM-4.5V's shapes, e4m3 activations, against the reference quantised alike."""
+    e, k, h, i = 128, 8, 4096, 1408
+    experts = MoeExperts(*random_glm_weights(fmt, e, i, h, device="cuda"))
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    w, ids = route_glm(torch.randn(t, e, device="cuda"), torch.randn(e, device="cuda") * 0.1, k)
+    for cfg in (MoeConfig(64, 128, 128, 4, 3, fp8_act=True, pairs_major=True),
+                MoeConfig(128, 128, 128, 8, 3, fp8_act=True, pairs_major=True)):
+        out = fused_moe(x, experts, w, ids, config=cfg)
+        assert rel_err(out, fused_moe_ref(x, experts, w, ids, config=cfg)) < TOL[torch.bfloat16], cfg
 
 
 @pytest.mark.gpu

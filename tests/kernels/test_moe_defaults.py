@@ -22,22 +22,40 @@ def test_glm_fp8_decode_defaults():
         assert not default_config(9 * 16, 129, fmt, on_gpu=True).gemv  # above one pair per expert: tiles
 
 
-def test_glm_fp8_prefill_tiles_take_e4m3_activations_from_17_pairs_per_expert():
-    # FP8 x FP8 dots where the GPU has FP8 tensor cores (Ada, Hopper, Blackwell), above 16 pairs
+def test_glm_fp8_prefill_tiles_take_e4m3_activations_from_16_pairs_per_expert():
+    # FP8 x FP8 dots where the GPU has FP8 tensor cores (Ada, Hopper, Blackwell), from 16 pairs
     # an expert; the MXFP4 and bf16 experts never
     from localchat.kernels.gpu_facts import GpuArch
     from localchat.kernels.moe import FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4, default_config
     hopper, ada, ampere = GpuArch((9, 0), 232448), GpuArch((8, 9), 101376), GpuArch((8, 0), 166912)
     for fmt in (FMT_FP8_ROW, FMT_FP8_BLK):
         for arch in (hopper, ada):
-            assert not default_config(8 * 256, 128, fmt, on_gpu=True, arch=arch).fp8_act  # 16 an expert
-            for t in (257, 1024, 8192):
+            assert not default_config(8 * 255, 128, fmt, on_gpu=True, arch=arch).fp8_act  # 15.9 an expert
+            for t in (256, 1024, 8192):
                 cfg = default_config(8 * t, 128, fmt, on_gpu=True, arch=arch)
                 assert cfg.fp8_act and not cfg.gemv
         assert not default_config(8 * 1024, 128, fmt, on_gpu=True, arch=ampere).fp8_act
         assert not default_config(8 * 1024, 128, fmt, on_gpu=False, arch=hopper).fp8_act
     for fmt in (FMT_MXFP4, FMT_DENSE):
         assert not default_config(8 * 1024, 128, fmt, on_gpu=True, arch=hopper).fp8_act
+
+
+def test_glm_fp8_channel_prefill_tiles_turn_pairs_major_on_wgmma_gpus():
+    # above 48 pairs an expert, channel scales on Hopper: 128 pairs by 128 rows, down 128 by 256,
+    # four stages, within the shared memory a program gets (192 KiB of operands each); block
+    # scales, Ada and fewer pairs keep the weight-major tiles
+    from localchat.kernels.gpu_facts import GpuArch
+    from localchat.kernels.moe import FMT_FP8_BLK, FMT_FP8_ROW, default_config
+    hopper, ada = GpuArch((9, 0), 232448), GpuArch((8, 9), 101376)
+    for t in (689, 1024, 2048, 8192):
+        cfg = default_config(9 * t, 129, FMT_FP8_ROW, on_gpu=True, arch=hopper)
+        assert cfg.pairs_major and cfg.fp8_act
+        assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (128, 128, 128, 8, 4)
+        assert cfg.down_tile == (256, 128, 8, 4)
+        for other in (default_config(9 * t, 129, FMT_FP8_BLK, on_gpu=True, arch=hopper),
+                      default_config(9 * t, 129, FMT_FP8_ROW, on_gpu=True, arch=ada)):
+            assert not other.pairs_major and other.down_tile is None and other.block_m == 64
+    assert not default_config(9 * 688, 129, FMT_FP8_ROW, on_gpu=True, arch=hopper).pairs_major
 
 
 def test_gpt_oss_decode_defaults_load_wide_activations_at_one_token():
@@ -101,12 +119,15 @@ def test_defaults_keep_to_what_each_gpu_generation_has():
             default_config(4 * t, 128, FMT_MXFP4, on_gpu=True, tma=True)
     for arch in (ada, ampere):
         assert default_config(4 * 64, 128, FMT_MXFP4, on_gpu=True, tma=True, arch=arch).mx_mma
-    # prefill tiles within 99 KiB a program: FP8 at 8192 pairs keeps its 3 stages (2 buffered,
-    # 96 KiB); with fp32 activations (128 KiB for 2 buffered) it drops to 2, where an H200 keeps 3
+    # prefill tiles within 99 KiB a program: FP8 at 8192 pairs keeps its 3 stages (2 buffered, 80
+    # KiB: its activations are e4m3 whatever the input's dtype); bf16 weights with fp32
+    # activations (160 KiB for 2 buffered) drop to 2; an H200 holds the pairs-major FP8 tiles'
+    # 4 stages (192 KiB)
     assert default_config(8192, 128, FMT_FP8_ROW, True, 2, arch=ada).num_stages == 3
-    assert default_config(8192, 128, FMT_FP8_ROW, True, 4, arch=ada).num_stages == 2
-    assert default_config(8192, 128, FMT_FP8_ROW, True, 4).num_stages == 3
+    assert default_config(8192, 128, FMT_FP8_ROW, True, 4, arch=ada).num_stages == 3
+    assert default_config(8192, 128, FMT_FP8_ROW, True, 4).num_stages == 4
     assert default_config(8192, 128, FMT_DENSE, True, 2, arch=ada).num_stages == 3
+    assert default_config(8192, 128, FMT_DENSE, True, 4, arch=ada).num_stages == 2
 
 
 def test_fp8_weights_refused_before_ada(monkeypatch):
