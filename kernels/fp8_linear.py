@@ -263,11 +263,13 @@ def _triton_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
 
 
 def _scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
-                      fused_bias: bool = False) -> torch.Tensor:
+                      fused_bias: bool = False, x_e4m3: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
     """cuBLAS's FP8 GEMM with per-token x per-channel scales. fused_bias: the bias added in the
     GEMM's epilogue (where scaled_mm_works(..., bias=True)) instead of a pass over the output:
-    GLM-4.5V's 2048-token q/k/v 238 -> 174 us on an H100 (bench/scaled_mm_bias_probe.py)."""
-    x_fp8, x_scale = quant_rows(x)
+    GLM-4.5V's 2048-token q/k/v 238 -> 174 us on an H100 (bench/scaled_mm_bias_probe.py).
+    x_e4m3: quant_rows(x), when the caller has it already."""
+    x_fp8, x_scale = x_e4m3 if x_e4m3 is not None else quant_rows(x)
     w_scale = w.scale.to(torch.float32).expand(w.weight.shape[0], 1).reshape(1, -1).contiguous()
     fuse = bias is not None and fused_bias
     # the tensor cores sum the whole K in their own accumulator: 1.0-1.18x at 256-2048 tokens on
@@ -335,20 +337,31 @@ def _takes_blockwise_scaled_mm(x: torch.Tensor, w: Fp8Weight) -> bool:
     return scaled_mm_works(_device_index(x), block=True)
 
 
+def takes_e4m3_rows(rows: int, dtype: torch.dtype, device: torch.device, w: Fp8Weight) -> bool:
+    """Whether fp8_linear runs `rows` rows of `dtype` against w on cuBLAS's per-token x
+    per-channel recipe, which quantises them with quant_rows first (so their e4m3 form, given as
+    x_e4m3, saves that launch)."""
+    n, k = w.weight.shape
+    return (compiled_on_gpu(device) and w.block is None and rows >= SCALED_MM_MIN_M and k % 16 == 0 and n % 16 == 0
+            and dtype != torch.float32 and scaled_mm_works(device.index if device.index is not None
+                                                            else torch.cuda.current_device(), block=False))
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *, block_n: int | None = None,
-               block_k: int | None = None, stages: int | None = None) -> torch.Tensor:
+               block_k: int | None = None, stages: int | None = None,
+               x_e4m3: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32), w [N, K] e4m3 with scales -> [..., N] in x.dtype.
-    block_n / block_k / stages: row-GEMV tile override (one or two tokens) for benchmarks."""
+    block_n / block_k / stages: row-GEMV tile override (one or two tokens) for benchmarks.
+    x_e4m3: quant_rows of x's rows ([M, K] e4m3, [M, 1] float32), used where takes_e4m3_rows."""
     if w.weight.dim() != 2 or x.shape[-1] != w.weight.shape[1]:
         raise ValueError(f"x [..., {x.shape[-1]}] does not match the FP8 weight {tuple(w.weight.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     on_gpu = compiled_on_gpu(x.device)
-    k, n = w.weight.shape[1], w.weight.shape[0]
-    if on_gpu and w.block is None and x2.shape[0] >= SCALED_MM_MIN_M and k % 16 == 0 and n % 16 == 0 \
-            and x.dtype != torch.float32 and scaled_mm_works(_device_index(x2), block=False):
-        out = _scaled_mm_linear(x2, w, bias, _bias_in_epilogue(x2, bias, block=False))
+    n = w.weight.shape[0]
+    if takes_e4m3_rows(x2.shape[0], x.dtype, x.device, w):
+        out = _scaled_mm_linear(x2, w, bias, _bias_in_epilogue(x2, bias, block=False), x_e4m3)
     elif on_gpu and w.block is not None and _takes_blockwise_scaled_mm(x2, w):
         out = _scaled_mm_block_linear(x2, w, bias, _bias_in_epilogue(x2, bias, block=True))
     else:
@@ -357,7 +370,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
 
 
 def fp8_linear_ref(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *, block_n: int | None = None,
-                   block_k: int | None = None, stages: int | None = None) -> torch.Tensor:
+                   block_k: int | None = None, stages: int | None = None,
+                   x_e4m3: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     y = x.to(torch.float32) @ w.dequantize(torch.float32).T
     if bias is not None:
         y = y + bias.to(torch.float32)

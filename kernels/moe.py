@@ -81,13 +81,28 @@ def fp8_activations(x: torch.Tensor, experts: MoeExperts, num_pairs: int, config
     both GEMMs to e4m3, a scale a row, for FP8 x FP8 tensor-core tiles: FP8 experts on the tile
     kernels with MoeConfig.fp8_act. The per-token dynamic scaling compressed-tensors FP8 checkpoints
     are made for (models.md B), as the dense FP8 linears do from 33 tokens."""
+    return _quantises_rows(experts, num_pairs, x.device, x.element_size(), config)
+
+
+def _quantises_rows(experts: MoeExperts, num_pairs: int, device: torch.device, elem_bytes: int,
+                    config: MoeConfig | None) -> bool:
     weights = (experts.gate, experts.up, experts.down)
     if not all(isinstance(w, Fp8Weight) for w in weights):
         return False
     fmt = FMT_FP8_ROW if experts.gate.block is None else FMT_FP8_BLK
-    cfg = config or default_config(num_pairs, experts.num_experts, fmt, compiled_on_gpu(x.device),
-                                   x.element_size(), bf16=False, arch=gpu_arch(x.device))
+    cfg = config or default_config(num_pairs, experts.num_experts, fmt, compiled_on_gpu(device), elem_bytes,
+                                   bf16=False, arch=gpu_arch(device))
     return cfg.fp8_act and not cfg.gemv
+
+
+def takes_e4m3_input(experts: MoeExperts, num_tokens: int, pairs_per_token: int, x_dtype: torch.dtype,
+                     device: torch.device) -> bool:
+    """Whether fused_moe with its default configuration quantises these tokens' rows to e4m3 on
+    the GPU (fp8_activations), and so can take them from the norm before it (fused_moe's x_e4m3).
+    pairs_per_token: top-k, plus one for a shared expert stacked behind the routed ones."""
+    elem_bytes = torch.finfo(x_dtype).bits // 8
+    return compiled_on_gpu(device) and _quantises_rows(experts, num_tokens * pairs_per_token, device, elem_bytes,
+                                                       None)
 
 
 def _quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,12 +122,15 @@ def takes_half2_input(experts: MoeExperts, num_tokens: int, top_k: int, x_dtype:
 
 
 def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              config: MoeConfig | None = None, x_half2: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              config: MoeConfig | None = None, x_half2: tuple[torch.Tensor, torch.Tensor] | None = None,
+              x_e4m3: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, H] (bf16/fp16/fp32; MXFP4 needs bf16/fp16), topk_weights [T, k] float32,
     topk_ids [T, k] int -> [T, H] in x.dtype. A pair whose id is -1 (an expert another rank holds
     under expert parallelism) adds nothing. x_half2: x already in the packed-f16 kernels' input
     form (xq [T, H] f16, inv_scale [T]: kernels/moe_gemv_half2.py, half2_input_ref), used when
-    those kernels run (takes_half2_input), so their own conversion launch is skipped."""
+    those kernels run (takes_half2_input), so their own conversion launch is skipped. x_e4m3:
+    x's rows as quant_rows makes them (e4m3 [T, H], float32 [T, 1]), used where the tiles
+    quantise their input (takes_e4m3_input) instead of that launch."""
     t, h = x.shape
     k = topk_ids.shape[1]
     e, i = experts.num_experts, experts.intermediate_size
@@ -214,7 +232,7 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
             *gate_up_args, SORTED=sorted_pairs, STAGES=cfg.num_stages, **gate_up_meta)
     else:
         x_scaled = fp8_activations(x, experts, num_pairs, cfg)
-        xq, xs = _quantized_rows(x) if x_scaled else (x, x)
+        xq, xs = (x_e4m3 or _quantized_rows(x)) if x_scaled else (x, x)
         moe_gate_up_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             xq, xq.stride(0), *gate_up_args[2:], xs, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt,
             X_SCALED=x_scaled, PAIRS_MAJOR=cfg.pairs_major, **gate_up_meta)
@@ -461,12 +479,13 @@ def expert_slice(w: LinearWeight, e: int) -> LinearWeight:
 
 
 def fused_moe_ref(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  config: MoeConfig | None = None, x_half2: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  config: MoeConfig | None = None, x_half2: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  x_e4m3: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Per-expert loop in float32 over exactly dequantised weights; the activation between the
     two GEMMs is rounded to x.dtype as the kernel stores it. Pairs of expert -1 add nothing.
     Where fused_moe quantises the activations to e4m3 (fp8_activations: FP8 experts at prefill
-    sizes), so does this, the same way. config and x_half2 are otherwise launch details: taken,
-    not used."""
+    sizes), so does this, the same way. config, x_half2 and x_e4m3 (forms of x the caller had
+    already) are otherwise launch details: taken, not used."""
     t, h = x.shape
     k = topk_ids.shape[1]
     x_scaled = fp8_activations(x, experts, t * k, config)

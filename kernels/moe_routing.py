@@ -22,7 +22,7 @@ _TAKEN = tl.constexpr(-(1 << 63))  # below every key: masked or already chosen e
 def with_shared_expert(weights: torch.Tensor, ids: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
     """weights [T, k] float32, ids [T, k] -> [T, k + 1] each, the last column `expert` at weight 1:
     a shared expert stacked behind the routed ones runs in the same MoE kernels as one more pair
-    of every token (what router_glm's shared_expert writes in its own launch)."""
+    of every token (what router_glm's and route_glm's shared_expert write in their own launch)."""
     t = ids.shape[0]
     return (torch.cat([weights, weights.new_ones(t, 1)], dim=1),
             torch.cat([ids, torch.full((t, 1), expert, dtype=ids.dtype, device=ids.device)], dim=1))
@@ -76,46 +76,59 @@ def route_token(logits, e, e_mask, bias_ptr, weights_ptr, ids_ptr, t, scaling,
 
 
 @triton.jit
-def _route_kernel(logits_ptr, stride_lt, bias_ptr, weights_ptr, ids_ptr, E, scaling,
+def _route_kernel(logits_ptr, stride_lt, bias_ptr, weights_ptr, ids_ptr, E, scaling, extra_id,
                   TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
+                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  HAS_EXTRA: tl.constexpr = False):
+    """Program t: token t's routing into rows of TOP_K (HAS_EXTRA: TOP_K + 1, the last column
+    expert extra_id at weight 1)."""
     t = tl.program_id(0)
     e = tl.arange(0, E_PAD)
     e_mask = e < E
     logits = tl.load(logits_ptr + t * stride_lt + e, mask=e_mask, other=0.0).to(tl.float32)
+    ROW: tl.constexpr = TOP_K + 1 if HAS_EXTRA else TOP_K
     route_token(logits, e, e_mask, bias_ptr, weights_ptr, ids_ptr, t, scaling, TOP_K, K_PAD, SCORING, HAS_BIAS,
-                RENORMALIZE, TOP_K)
+                RENORMALIZE, ROW)
+    if HAS_EXTRA:
+        tl.store(weights_ptr + t * ROW + TOP_K, 1.0)
+        tl.store(ids_ptr + t * ROW + TOP_K, extra_id)
 
 
 def _route(logits: torch.Tensor, top_k: int, scoring: int, bias: torch.Tensor | None,
-           renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+           renormalize: bool, scaling: float, extra_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if logits.dim() != 2:
         raise ValueError(f"router logits must be [T, E], got {tuple(logits.shape)}")
     t, e = logits.shape
     if not 1 <= top_k <= e or e > 1024:
         raise ValueError(f"top_k={top_k} must be in 1..E and E={e} at most 1024")
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
+    row = top_k + (extra_expert is not None)
+    weights = torch.empty((t, row), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, row), dtype=torch.int32, device=logits.device)
     if t == 0:
         return weights, ids
     has_bias = bias is not None
     _route_kernel[(t,)](
         logits, logits.stride(0), bias if has_bias else logits, weights, ids, e, float(scaling),
+        -1 if extra_expert is None else extra_expert,
         TOP_K=top_k, E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
-        SCORING=scoring, HAS_BIAS=has_bias, RENORMALIZE=renormalize)
+        SCORING=scoring, HAS_BIAS=has_bias, RENORMALIZE=renormalize, HAS_EXTRA=extra_expert is not None)
     return weights, ids
 
 
 def route_glm(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
               renormalize: bool = True, routed_scaling_factor: float = 1.0,
-              n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+              n_group: int = 1, topk_group: int = 1, shared_expert: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (fp32 from the router linear), correction_bias [E] fp32 or None.
-    Returns topk_weights [T, k] float32 and topk_ids [T, k] int32, best first."""
+    Returns topk_weights [T, k] float32 and topk_ids [T, k] int32, best first; with shared_expert,
+    [T, k + 1] whose last column is that expert at weight 1 (as with_shared_expert, in the same
+    launch)."""
     if n_group != 1 or topk_group != 1:
         raise NotImplementedError(f"grouped top-k (n_group={n_group}) is not in the kernel; "
                                   "GLM-4.5V uses n_group=1, see route_glm_ref for the grouped math")
-    return _route(logits, top_k, SCORING_SIGMOID, correction_bias, renormalize, routed_scaling_factor)
+    return _route(logits, top_k, SCORING_SIGMOID, correction_bias, renormalize, routed_scaling_factor,
+                  shared_expert)
 
 
 def route_gpt_oss(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +139,8 @@ def route_gpt_oss(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
 
 def route_glm_ref(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
                   renormalize: bool = True, routed_scaling_factor: float = 1.0,
-                  n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                  n_group: int = 1, topk_group: int = 1, shared_expert: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     scores = logits.to(torch.float32).sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.to(torch.float32)
     if n_group > 1:
@@ -139,7 +153,8 @@ def route_glm_ref(logits: torch.Tensor, correction_bias: torch.Tensor | None, to
     w = scores.gather(1, ids)
     if renormalize:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return w * routed_scaling_factor, ids.to(torch.int32)
+    w, ids = w * routed_scaling_factor, ids.to(torch.int32)
+    return (w, ids) if shared_expert is None else with_shared_expert(w, ids, shared_expert)
 
 
 def route_gpt_oss_ref(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from ...kernels.gpu_facts import gpu_arch
 from ...kernels.rotary import apply_rotary, apply_rotary_ref
 from ..parallel.context import SINGLE, ParallelContext
 from ..spec import ModelSpec
-from .linear import concat_rows, linear
+from .linear import concat_rows, linear, linear_takes_e4m3
 
 
 def _takes_cudnn(q: torch.Tensor, k_cache: torch.Tensor, batch, query_lens: list[int]) -> bool:
@@ -90,10 +90,17 @@ class SelfAttention:
         self.qkv_parts = [fused] if fused is not None else [(q, q_b), (k, k_b), (v, v_b)]
         self.qkv_widths = [w.shape[0] for w in (q, k, v)]
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, cache) -> torch.Tensor:
-        """x [T, hidden] packed over the batch; cos/sin [T, rotary_dim] carry the rotary angles."""
+    def takes_e4m3_input(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether q/k/v quantise these tokens' rows to e4m3, so the norm in front can write them
+        (its e4m3 output, passed as x_e4m3)."""
+        return linear_takes_e4m3(num_tokens, dtype, device, self.qkv_parts[0][0])
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, cache,
+                 x_e4m3: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, hidden] packed over the batch; cos/sin [T, rotary_dim] carry the rotary angles;
+        x_e4m3: x's rows as e4m3 (takes_e4m3_input)."""
         t = x.shape[0]
-        outs = [linear(x, w, b) for w, b in self.qkv_parts]
+        outs = [linear(x, w, b, x_e4m3) for w, b in self.qkv_parts]
         q, k, v = outs[0].split(self.qkv_widths, dim=-1) if len(outs) == 1 else outs
         q = q.view(t, self.heads, self.head_dim)
         k = k.view(t, self.kv_heads, self.head_dim)

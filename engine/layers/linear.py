@@ -13,14 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels import row_gemv
-from ...kernels.fp8_linear import fp8_linear
+from ...kernels.fp8_linear import fp8_linear, takes_e4m3_rows
 from ..weights.formats import DenseWeight, Fp8Weight, LinearWeight
 
 
-def linear(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N] for w of shape [N, K]; computed in x.dtype."""
+def linear(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None,
+           x_e4m3: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] for w of shape [N, K]; computed in x.dtype. x_e4m3: x's rows as e4m3
+    with a scale each (quant_rows' form), which FP8 weights use where linear_takes_e4m3 says so."""
     if x.is_cuda and isinstance(w, Fp8Weight):
-        return fp8_linear(x, w, bias)
+        return fp8_linear(x, w, bias, x_e4m3=x_e4m3)
     if isinstance(w, DenseWeight):
         weight = w.weight if w.weight.dtype == x.dtype else w.weight.to(x.dtype)
         rows = x.numel() // max(x.shape[-1], 1)
@@ -31,6 +33,12 @@ def linear(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -
     else:
         weight = w.dequantize(x.dtype)
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def linear_takes_e4m3(rows: int, dtype: torch.dtype, device: torch.device, w: LinearWeight) -> bool:
+    """Whether linear quantises `rows` rows of x to e4m3 a row at a time for w (FP8 channel scales
+    on cuBLAS), so that the norm in front can hand them over already in that form."""
+    return device.type == "cuda" and isinstance(w, Fp8Weight) and takes_e4m3_rows(rows, dtype, device, w)
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels.glu import silu_mul, silu_mul_ref
-from .linear import concat_rows, linear
+from .linear import concat_rows, linear, linear_takes_e4m3
 
 
 class GatedMLP:
@@ -17,9 +17,14 @@ class GatedMLP:
         fused = concat_rows([gate, up], [None, None])
         self.parts = [fused[0]] if fused is not None else [gate, up]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
-        outs = [linear(x, w) for w in self.parts]
+    def takes_e4m3_input(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether gate/up quantise these tokens' rows to e4m3, so the norm in front can write them
+        (its e4m3 output, passed as x_e4m3)."""
+        return linear_takes_e4m3(num_tokens, dtype, device, self.parts[0])
+
+    def __call__(self, x: torch.Tensor, x_e4m3: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; x_e4m3: x's rows as e4m3 (takes_e4m3_input)."""
+        outs = [linear(x, w, x_e4m3=x_e4m3) for w in self.parts]
         if len(outs) == 1:  # [T, 2I], gate columns first: the product in one pass
             act = (silu_mul if x.is_cuda else silu_mul_ref)(outs[0])
         else:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.moe import MoeExperts, fused_moe, fused_moe_ref, gpt_oss_experts, takes_half2_input
+from ...kernels.moe import MoeExperts, fused_moe, fused_moe_ref, gpt_oss_experts, takes_e4m3_input, takes_half2_input
 from ...kernels.moe_router import FUSED_ROUTER_MAX_T, router_glm, router_gpt_oss
-from ...kernels.moe_routing import route_glm, route_glm_ref, route_gpt_oss, route_gpt_oss_ref, with_shared_expert
+from ...kernels.moe_routing import route_glm, route_glm_ref, route_gpt_oss, route_gpt_oss_ref
 from ..parallel.context import SINGLE, ParallelContext
 from ..spec import ModelSpec
 from ..weights.formats import DenseWeight
@@ -78,9 +78,8 @@ class MoeBlock:
             # The correction bias steers only the choice of experts, not their weights.
             logits = linear_float32(x, self.router)
             route = route_glm if on_gpu else route_glm_ref
-            weights, ids = route(logits, self.router_bias, m.top_k, m.norm_topk_prob, m.routed_scaling_factor,
-                                 m.n_group, m.topk_group)
-            return (weights, ids) if self.shared_slot is None else with_shared_expert(weights, ids, self.shared_slot)
+            return route(logits, self.router_bias, m.top_k, m.norm_topk_prob, m.routed_scaling_factor,
+                         m.n_group, m.topk_group, shared_expert=self.shared_slot)
         logits = linear(x, self.router, self.router_bias)
         return (route_gpt_oss if on_gpu else route_gpt_oss_ref)(logits, m.top_k)
 
@@ -89,14 +88,21 @@ class MoeBlock:
         form the norm in front can write (add_rms_norm's half2) to save them a launch."""
         return takes_half2_input(self.experts, num_tokens, self.moe.top_k, dtype, device)
 
-    def __call__(self, x: torch.Tensor, x_half2: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def takes_e4m3_input(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether the experts quantise these tokens' rows to e4m3 (FP8 tiles at prefill sizes),
+        so the norm in front can write them (its e4m3 output, passed as x_e4m3)."""
+        pairs_per_token = self.moe.top_k + (self.shared_slot is not None)
+        return takes_e4m3_input(self.experts, num_tokens, pairs_per_token, dtype, device)
+
+    def __call__(self, x: torch.Tensor, x_half2: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 x_e4m3: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]; x_half2: x in the packed-f16 kernels' input form, when
-        takes_half2_input said so."""
+        takes_half2_input said so; x_e4m3: x's rows as e4m3, when takes_e4m3_input said so."""
         weights, ids = self.route(x)
         if self.expert_range is not None:
             ids = local_expert_ids(ids, *self.expert_range)
         if x.is_cuda:
-            out = fused_moe(x, self.experts, weights, ids, x_half2=x_half2)
+            out = fused_moe(x, self.experts, weights, ids, x_half2=x_half2, x_e4m3=x_e4m3)
         else:
             out = fused_moe_ref(x, self.experts, weights, ids)
         if self.shared is not None:

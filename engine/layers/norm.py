@@ -10,12 +10,13 @@ from ...kernels.rmsnorm import add_rms_norm_ref
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 weight_first: bool = False, half2: bool = False):
+                 weight_first: bool = False, half2: bool = False, e4m3: bool = False):
     """x, residual [T, D] -> (rms_norm(x + residual), x + residual); residual None: (rms_norm(x), x).
     One pass over the residual stream instead of an add and a norm. half2: a third element, the
-    normed rows in the MXFP4 packed-f16 MoE kernels' input form (kernels/rmsnorm.py)."""
+    normed rows in the MXFP4 packed-f16 MoE kernels' input form; e4m3: instead the normed rows as
+    e4m3 with a scale each, for the FP8 GEMM after the norm (kernels/rmsnorm.py)."""
     fn = add_rms_norm_kernel if x.is_cuda else add_rms_norm_ref
-    return fn(x, residual, weight, eps, weight_first, half2)
+    return fn(x, residual, weight, eps, weight_first, half2, e4m3)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_first: bool = False) -> torch.Tensor:

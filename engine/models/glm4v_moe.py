@@ -82,10 +82,20 @@ class Glm4vMoeModel:
         reduce = self.ctx.all_reduce
         # The residual stream runs beside the layers; each norm also adds the previous block's output.
         out, residual = h, None
+        # Where the block after a norm quantises its input rows to e4m3 (FP8 GEMMs at prefill
+        # sizes), the norm writes them too: alike for every block of a kind, so asked once each.
+        e4m3: dict[type, bool] = {}
+
+        def takes_e4m3(block) -> bool:
+            if type(block) not in e4m3:
+                e4m3[type(block)] = block.takes_e4m3_input(h.shape[0], h.dtype, h.device)
+            return e4m3[type(block)]
+
         for in_norm, attn, post_norm, mlp in self.layers:
-            x, residual = add_rms_norm(out, residual, in_norm, eps)
-            x, residual = add_rms_norm(reduce(attn(x, cos, sin, batch, cache)), residual, post_norm, eps)
-            out = reduce(mlp(x))
+            x, residual, *x_e4m3 = add_rms_norm(out, residual, in_norm, eps, e4m3=takes_e4m3(attn))
+            attended = reduce(attn(x, cos, sin, batch, cache, *x_e4m3))
+            x, residual, *x_e4m3 = add_rms_norm(attended, residual, post_norm, eps, e4m3=takes_e4m3(mlp))
+            out = reduce(mlp(x, x_e4m3=x_e4m3[0] if x_e4m3 else None))
         return add_rms_norm(out, residual, self.norm, eps)[0]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -208,6 +208,54 @@ def test_kernels_match_their_references_inside_the_model(config):
     assert max(errors) < TOLERANCE[config]
 
 
+@pytest.mark.gpu
+def test_norms_writing_e4m3_rows_change_no_logit():
+    """GLM-4.5V-FP8 at a prefill size (450 tokens: q/k/v, layer 0's MLP and the experts all
+    quantise their input rows): the norms handing them those rows give the logits of each GEMM
+    quantising its own input, to the bit, with fewer quantisation launches."""
+    from localchat.engine.layers.attention import SelfAttention
+    from localchat.engine.layers.mlp import GatedMLP
+    from localchat.engine.layers.moe import MoeBlock
+    from localchat.kernels import fp8_linear as fp8_module
+    from localchat.kernels import moe as moe_module
+
+    spec = truncated_spec("glm-4.5v-fp8.json")
+    model = build_model(spec, dummy_weights(spec, device="cuda", dtype=torch.bfloat16, seed=3), "cuda")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 20000, (n,), generator=g) for n in (250, 200)]
+    launches = {"quant_rows": 0}
+    plain_quant, plain_moe_quant = fp8_module.quant_rows, moe_module.quant_rows
+
+    def counted(x):
+        launches["quant_rows"] += 1
+        return plain_quant(x)
+
+    def run():
+        launches["quant_rows"] = 0
+        with torch.inference_mode():
+            return run_steps(model, spec, "cuda", torch.bfloat16, prompts, 1), launches["quant_rows"]
+
+    run()  # the first forward also runs the one-time cuBLAS probes, which quantise rows of their own
+    fp8_module.quant_rows, moe_module.quant_rows = counted, counted
+    try:
+        handed, handed_launches = run()
+        blocks = (SelfAttention, GatedMLP, MoeBlock)
+        saved = [b.takes_e4m3_input for b in blocks]
+        for b in blocks:
+            b.takes_e4m3_input = lambda self, *args: False
+        try:
+            own, own_launches = run()
+        finally:
+            for b, fn in zip(blocks, saved):
+                b.takes_e4m3_input = fn
+    finally:
+        fp8_module.quant_rows, moe_module.quant_rows = plain_quant, plain_moe_quant
+    # per layer: q/k/v and the MLP's gate/up (layer 0 dense, layer 1 experts) no longer quantise
+    assert own_launches - handed_launches == 2 * spec.num_layers, (own_launches, handed_launches)
+    for a, b in zip(handed, own):
+        assert torch.equal(a, b)
+
+
 def prefill_in_two_chunks(model, spec, prompt: torch.Tensor, split: int, dtype) -> torch.Tensor:
     """Prefills `prompt` as the engine does a long one: its first `split` tokens, then the rest
     as a second chunk after them. Returns the second chunk's logits [len - split, vocab]."""

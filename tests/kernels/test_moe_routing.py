@@ -28,6 +28,25 @@ def test_route_glm_matches_reference(t, e, k):
     torch.testing.assert_close(w.sum(-1), torch.full((t,), 2.5, device=DEV), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("t", [1, 37])
+def test_route_glm_writes_the_shared_expert_column(t):
+    # GLM's shared expert stacked behind the 20 routed ones: every row ends with it at weight 1,
+    # the routed columns as without it
+    e, k = 20, 4
+    logits, bias = torch.randn(t, e, device=DEV) * 2, torch.randn(e, device=DEV) * 0.5
+    w, ids = route_glm(logits, bias, k, renormalize=True, routed_scaling_factor=2.5, shared_expert=e)
+    rw, rids = route_glm_ref(logits, bias, k, renormalize=True, routed_scaling_factor=2.5, shared_expert=e)
+    assert w.shape == ids.shape == (t, k + 1)
+    assert (ids[:, -1] == e).all() and (w[:, -1] == 1.0).all()
+    assert torch.equal(rids[:, -1], ids[:, -1]) and torch.equal(rw[:, -1], w[:, -1])
+    plain_w, plain_ids = route_glm(logits, bias, k, renormalize=True, routed_scaling_factor=2.5)
+    assert torch.equal(ids[:, :k], plain_ids) and torch.equal(w[:, :k], plain_w)
+    sw, sids = _sorted_by_id(w[:, :k], ids[:, :k])
+    srw, srids = _sorted_by_id(rw[:, :k], rids[:, :k])
+    assert torch.equal(sids, srids)
+    torch.testing.assert_close(sw, srw, rtol=1e-5, atol=1e-6)
+
+
 def test_route_glm_bias_only_selects():
     logits = torch.randn(4, 16, device=DEV)
     bias = torch.zeros(16, device=DEV)

@@ -65,3 +65,27 @@ def test_normed_rows_in_the_packed_f16_moe_input_form(dtype):
     assert torch.isfinite(xq.float()).all() and xq.float().abs().max() < 2 ** 14
     ref = add_rms_norm_ref(x.to(dtype), res.to(dtype), w, 1e-5, True, half2=True)
     assert len(ref) == 3 and torch.equal(ref[2][0], half2_input_ref(ref[0])[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_normed_rows_as_e4m3(dtype):
+    # The third output is exactly what quant_rows (the FP8 GEMMs' own quantisation launch) makes of
+    # the stored normed rows: rows of very different magnitudes, one all zero, D = 200 past a power
+    # of two; the first two outputs are those of the plain call.
+    from localchat.kernels.fp8_linear import quant_rows, quant_rows_ref
+    t, d = 5, 200
+    x = torch.randn(t, d, device=DEV) * torch.tensor([[1e-3], [1.0], [50.0], [0.0], [3.0]], device=DEV)
+    w = torch.rand(d, device=DEV) + 0.5
+    w[:8] = 40.0
+    res = torch.randn(t, d, device=DEV) * 0.1
+    res[3] = 0.0
+    out, new_res, (q, scale) = add_rms_norm(x.to(dtype), res.to(dtype), w, 1e-5, e4m3=True)
+    plain, plain_res = add_rms_norm(x.to(dtype), res.to(dtype), w, 1e-5)
+    assert torch.equal(out, plain) and torch.equal(new_res, plain_res)
+    ref_q, ref_scale = (quant_rows if DEV == "cuda" else quant_rows_ref)(out)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (t, d) and scale.shape == (t, 1)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_scale)
+    ref = add_rms_norm_ref(x.to(dtype), res.to(dtype), w, 1e-5, e4m3=True)
+    assert len(ref) == 3 and torch.equal(ref[2][0].view(torch.uint8), quant_rows_ref(ref[0])[0].view(torch.uint8))
+    with pytest.raises(ValueError, match="half2 or e4m3"):
+        add_rms_norm(x.to(dtype), None, w, 1e-5, half2=True, e4m3=True)
