@@ -95,22 +95,45 @@ def test_steps_launched_ahead_give_the_one_by_one_tokens_on_cuda(tmp_path):
     assert results[0][1][0] == "stop"
 
 
+def _tokens_and_gaps(stream):
+    """(generated ids, and at each the gap in nats between the two most likely tokens) of a
+    stream that asked for two log-probabilities a position."""
+    from localchat.engine.runtime.request import Final
+    entries = []
+    for item in stream:
+        if isinstance(item, Final):
+            return [e.id for e in entries], [e.top[0].logprob - e.top[1].logprob for e in entries]
+        entries += item.logprobs
+    raise AssertionError("the stream ended without a Final")
+
+
 def test_quantize_fp8_on_cuda_serves_the_same_tokens_from_graphs():
     # a bf16 checkpoint stored as FP8 while loading onto the GPU: the FP8 kernels serve it, and
     # graph-replayed decode steps give the eager ones' tokens. Both engines take the requests
-    # together, so their prefill and decode batches hold the same rows (the FP8 linears' kernels
-    # differ with the rows a call holds, and a tiny random model has near-ties their rounding flips)
+    # together, so their prefill and decode batches hold the same rows. The two paths still round
+    # differently (decode attention's splits and the FP8 kernels differ between a captured step and
+    # an eager one), and a tiny random model has near-ties that flips: the tokens must agree up to
+    # the first position where the eager run's two best were within NEAR_TIE nats, and no further.
     from fixtures import open_fixture
     from localchat.engine.runtime.engine import Engine
     from localchat.engine.weights.loader import load_weights, read_spec, weight_bytes
+    near_tie = 0.05
     path = open_fixture("glm-bf16")
-    requests = [chat(("user", q), max_tokens=12) for q in QUESTIONS]
+    requests = [chat(("user", q), max_tokens=12, logprobs=2) for q in QUESTIONS]
     eager = Engine(path, device="cuda", quantize="fp8", cuda_graphs=False, block_size=16, max_running=4)
     assert eager.weights_bytes < weight_bytes(load_weights(path, read_spec(path), dtype=torch.bfloat16))
-    expected = [collect(s)[0] for s in [eager.submit(r) for r in requests]]
+    expected = [_tokens_and_gaps(s) for s in [eager.submit(r) for r in requests]]
     eager.shutdown()
     graphs = Engine(path, device="cuda", quantize="fp8", block_size=16, max_running=4)
     graphs.warmup()
-    assert [collect(s)[0] for s in [graphs.submit(r) for r in requests]] == expected
+    got = [_tokens_and_gaps(s)[0] for s in [graphs.submit(r) for r in requests]]
     assert graphs.counters()["graph_steps"] > 0
     graphs.shutdown()
+    for ids, (want, gaps) in zip(got, expected):
+        parted = next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), None)
+        if parted is None:
+            assert ids == want
+        else:
+            print(f"\nparted at {parted}, where the eager run's best two were {gaps[parted]:.4f} nats apart")
+            assert gaps[parted] < near_tie, (f"graph and eager tokens part at {parted} where the eager run's best "
+                                              f"two were {gaps[parted]:.3f} nats apart: {ids} != {want}")
