@@ -129,7 +129,9 @@ def graph_replay_ms(engine, batch: int, replays: int = 20) -> float:
 
 
 def make_engine(spec: ModelSpec, model, weights_bytes: int, prompt_len: int, gen_len: int, max_batch: int,
-                image_tokens: int):
+                image_tokens: int, chunk: int | None = None):
+    """chunk: the tokens one step may hold, the length of a long prompt's prefill chunks (the
+    engine's max_batch_tokens; None: its default)."""
     from ..engine.runtime.engine import Engine
     from .bench_prompts import SyntheticPrompts
 
@@ -137,7 +139,8 @@ def make_engine(spec: ModelSpec, model, weights_bytes: int, prompt_len: int, gen
     tokens = max_batch * (prompt_len + gen_len + 2 * BLOCK) + 2 * context
     return Engine.from_model(dataclasses.replace(spec, eos_token_ids=()), model, SyntheticPrompts(spec, prompt_len),
                              device="cuda", dtype="bfloat16", max_context=context, name=spec.family,
-                             weights_bytes=weights_bytes, max_running=max_batch, max_kv_tokens=tokens)
+                             weights_bytes=weights_bytes, max_running=max_batch, max_kv_tokens=tokens,
+                             max_batch_tokens=chunk)
 
 
 def measure_batch(engine, spec, weights, batch: int, prompt_len: int, gen_len: int) -> dict:
@@ -176,10 +179,10 @@ def bench_model(name: str, args) -> dict:
     spec, weights, model = dummy_model(name, args.layers)
     torch.cuda.synchronize()
     total = weight_bytes(weights)
-    print(f"{name}: {spec.num_layers} layers, weights {total / 1e9:.1f} GB built in {time.perf_counter() - t0:.1f} s",
-          flush=True)
+    print(f"{name}: {spec.num_layers} layers, weights {total / 1e9:.1f} GB built in {time.perf_counter() - t0:.1f} s"
+          + (f", prefill chunks of {args.chunk} tokens" if args.chunk else ""), flush=True)
     image_tokens = 1100 if (args.image and spec.vision is not None) else 0
-    engine = make_engine(spec, model, total, args.prompt_len, args.gen_len, max(batches), image_tokens)
+    engine = make_engine(spec, model, total, args.prompt_len, args.gen_len, max(batches), image_tokens, args.chunk)
     result = dict(model=name, layers=spec.num_layers, weights_gb=total / 1e9, rows=[], image=None)
     try:
         _finals([engine.submit(_request(4, TextPart("tokens:64")))])  # compiles the prefill kernels
@@ -230,6 +233,9 @@ def add_bench_command(subparsers) -> None:
     p.add_argument("--image", default="1024x768", metavar="WxH",
                    help="image size for the image time-to-first-token (GLM-4.5V only; 'none' to skip)")
     p.add_argument("--layers", type=int, default=None, help="truncate the model to this many layers")
+    p.add_argument("--chunk", type=int, default=None, metavar="TOKENS",
+                   help="tokens one step may hold, i.e. the prefill chunk of a long prompt (default: the engine's, "
+                        "2048 on a GPU)")
     p.add_argument("--compare", choices=["transformers"], default=None,
                    help="also time the transformers implementation on the same weights")
     p.add_argument("--compare-layers", type=int, default=None,
@@ -244,6 +250,9 @@ def add_bench_command(subparsers) -> None:
 def run_bench(args) -> int:
     if not args.dummy:
         print("localchat: bench needs --dummy for now (random weights; no download)", file=sys.stderr)
+        return 2
+    if args.chunk is not None and args.chunk < 1:
+        print(f"localchat: --chunk must be a positive number of tokens, got {args.chunk}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("localchat: bench measures the CUDA path and no CUDA GPU is visible", file=sys.stderr)
