@@ -241,14 +241,14 @@ def test_default_half2_falls_back_to_words_for_other_activations(monkeypatch):
     # its f16 GLU output; experts with another activation must get the word decode instead
     import localchat.kernels.moe as moe
     chosen = []
-    real = moe._half2_experts
+    real = moe.half2_experts
 
     def spy(*args, **kwargs):
         chosen.append("half2")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(moe, "default_config", lambda *a, **k: MoeConfig(1, 16, 64, 1, 1, gemv=True, mx_half2=True))
-    monkeypatch.setattr(moe, "_half2_experts", spy)
+    monkeypatch.setattr(moe, "half2_experts", spy)
     gpt = _gpt_oss_case(3, 64, 32)
     x = torch.randn(2, 64, device=DEV, dtype=torch.bfloat16)
     w, ids = route_gpt_oss(torch.randn(2, 3, device=DEV), 2)
