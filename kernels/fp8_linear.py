@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..engine.weights.formats import FP8_MAX, Fp8Weight, fp8_rows
-from .gpu_facts import MEASURED_SMS, compiled_on_gpu, sm_count
+from .gpu_facts import MEASURED_SMS, compiled_on_gpu, cuda_index, sm_count
 from .moe_gemm import FMT_FP8_BLK, FMT_FP8_ROW, _row_scale, _weight_dot
 from .row_gemv import GEMV_MAX_M, row_gemv_kernel
 
@@ -59,6 +59,16 @@ def _scaled_e4m3(x, scale):
 
 
 @triton.jit
+def store_e4m3_row(x, k, mask, q_row_ptr, scale_ptr):
+    """One row x (float32, 0 where masked off) in quant_rows' encoding: s = amax(|x|) / 448 at
+    scale_ptr, e4m3(x / s) at q_row_ptr + k. Shared with the norm that writes the rows it normed
+    this way (kernels/rmsnorm.py), so the two agree to the bit."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / E4M3_MAX
+    tl.store(q_row_ptr + k, _scaled_e4m3(x, scale), mask=mask)
+    tl.store(scale_ptr, scale)
+
+
+@triton.jit
 def _quant_groups_kernel(x_ptr, stride_xm, q_ptr, s_ptr, M, K, M_PAD, BLOCK_G: tl.constexpr):
     """Program (row m, BLOCK_G groups of 128 columns): s = amax(|x[m, group]|) / 448, q[m, k] =
     e4m3(x[m, k] / s); s stored transposed, s_ptr [K / 128, M_PAD]. Rows M..M_PAD-1 (padding)
@@ -80,9 +90,7 @@ def _quant_rows_kernel(x_ptr, stride_xm, q_ptr, s_ptr, K, BLOCK_K: tl.constexpr)
     m = tl.program_id(0)
     k = tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + m.to(tl.int64) * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / E4M3_MAX
-    tl.store(q_ptr + m.to(tl.int64) * K + k, _scaled_e4m3(x, scale), mask=k < K)
-    tl.store(s_ptr + m, scale)
+    store_e4m3_row(x, k, k < K, q_ptr + m.to(tl.int64) * K, s_ptr + m)
 
 
 def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,12 +329,8 @@ def scaled_mm_works(device_index: int, block: bool, bias: bool = False) -> bool:
     return bool(((out - ref).norm() / ref.norm()) < 5e-2)
 
 
-def _device_index(x: torch.Tensor) -> int:
-    return x.device.index if x.device.index is not None else torch.cuda.current_device()
-
-
 def _bias_in_epilogue(x: torch.Tensor, bias: torch.Tensor | None, block: bool) -> bool:
-    return bias is not None and scaled_mm_works(_device_index(x), block=block, bias=True)
+    return bias is not None and scaled_mm_works(cuda_index(x.device), block=block, bias=True)
 
 
 def _takes_blockwise_scaled_mm(x: torch.Tensor, w: Fp8Weight) -> bool:
@@ -334,7 +338,7 @@ def _takes_blockwise_scaled_mm(x: torch.Tensor, w: Fp8Weight) -> bool:
     if not (w.block == (128, 128) and x.shape[0] >= SCALED_MM_MIN_M and x.dtype in (torch.bfloat16, torch.float16)
             and k % 512 == 0 and n % 128 == 0 and w.weight.stride(-1) == 1):
         return False
-    return scaled_mm_works(_device_index(x), block=True)
+    return scaled_mm_works(cuda_index(x.device), block=True)
 
 
 def takes_e4m3_rows(rows: int, dtype: torch.dtype, device: torch.device, w: Fp8Weight) -> bool:
@@ -343,8 +347,7 @@ def takes_e4m3_rows(rows: int, dtype: torch.dtype, device: torch.device, w: Fp8W
     x_e4m3, saves that launch)."""
     n, k = w.weight.shape
     return (compiled_on_gpu(device) and w.block is None and rows >= SCALED_MM_MIN_M and k % 16 == 0 and n % 16 == 0
-            and dtype != torch.float32 and scaled_mm_works(device.index if device.index is not None
-                                                            else torch.cuda.current_device(), block=False))
+            and dtype != torch.float32 and scaled_mm_works(cuda_index(device), block=False))
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *, block_n: int | None = None,

@@ -17,12 +17,17 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of the CUDA device `device` names; the current one's where it names none ("cuda")."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of `device`: grids sized per SM scale with the GPU (an H100 PCIe
     has 114, an A100 108, an RTX 4090 128)."""
     if device.type != "cuda":
         return MEASURED_SMS
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_sm_count(cuda_index(device))
 
 
 def compiled_on_gpu(device: torch.device) -> bool:
@@ -92,7 +97,7 @@ def gpu_arch(device: torch.device) -> GpuArch:
     """The GpuArch of `device`; MEASURED_ARCH for tensors off the GPU."""
     if device.type != "cuda":
         return MEASURED_ARCH
-    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_arch(cuda_index(device))
 
 
 def require_supported(device: torch.device) -> None:

@@ -229,7 +229,10 @@ def fused_moe(x: torch.Tensor, experts: MoeExperts, topk_weights: torch.Tensor, 
             *gate_up_args, SORTED=sorted_pairs, STAGES=cfg.num_stages, **gate_up_meta)
     else:
         x_scaled = fp8_activations(x, experts, num_pairs, cfg)
-        xq, xs = (x_e4m3 if x_e4m3 is not None else _quantized_rows(x)) if x_scaled else (x, x)
+        if not x_scaled:
+            xq, xs = x, x
+        else:
+            xq, xs = x_e4m3 if x_e4m3 is not None else _quantized_rows(x)
         moe_gate_up_kernel[(b_max, triton.cdiv(i, cfg.block_n))](
             xq, xq.stride(0), *gate_up_args[2:], xs, MX_DOT_SCALED=cfg.mx_dot_scaled, X_FMT=x_fmt,
             X_SCALED=x_scaled, PAIRS_MAJOR=cfg.pairs_major, **gate_up_meta)

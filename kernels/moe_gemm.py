@@ -96,18 +96,10 @@ def tile_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS_MAJOR: tl.con
 
 
 @triton.jit
-def _oriented_dot(w, x, PAIRS_MAJOR: tl.constexpr):
-    """w [BLOCK_N, BLOCK_K] with x [BLOCK_M, BLOCK_K] (PAIRS_MAJOR: -> x @ w^T) or x^T [BLOCK_K,
-    BLOCK_M] (-> w @ x^T)."""
-    if PAIRS_MAJOR:
-        return tl.dot(x, tl.trans(w))
-    else:
-        return tl.dot(w, x)
-
-
-@triton.jit
-def _oriented_dot_acc(w, x, acc, PAIRS_MAJOR: tl.constexpr):
-    """_oriented_dot summed into acc by the dot itself."""
+def _oriented_dot(w, x, acc, PAIRS_MAJOR: tl.constexpr):
+    """w [BLOCK_N, BLOCK_K] with x [BLOCK_M, BLOCK_K] (PAIRS_MAJOR: -> acc + x @ w^T) or x^T
+    [BLOCK_K, BLOCK_M] (-> acc + w @ x^T), summed into acc by the dot itself; acc None: the
+    product alone."""
     if PAIRS_MAJOR:
         return tl.dot(x, tl.trans(w), acc)
     else:
@@ -163,15 +155,15 @@ def _weight_dot(acc, w_ptr, s_ptr, e, n, n_mask, k0, K, x_ptr, x_rows, x_valid, 
         if X_SCALED and FORMAT != 2:
             # summed inside the dot: an FP8 dot's result added afterwards is not folded into it (its
             # accumulation is not float32's), so each K step's wgmma was waited for before the next
-            acc = _oriented_dot_acc(w, xk, acc, PAIRS_MAJOR)
+            acc = _oriented_dot(w, xk, acc, PAIRS_MAJOR)
         elif FORMAT == 2:
             # BLOCK_K divides SBK, so one K step lies inside one scale block
-            part = _oriented_dot(w if X_SCALED else _to_dot_dtype(w, x_dtype), xk, PAIRS_MAJOR)
+            part = _oriented_dot(w if X_SCALED else _to_dot_dtype(w, x_dtype), xk, None, PAIRS_MAJOR)
             s = tl.load(s_ptr + e.to(tl.int64) * stride_se + (n // SBN) * stride_sn + (k0 // SBK) * stride_sk,
                         mask=n_mask, other=0.0)
             acc += part * along_n(s, PAIRS_MAJOR)
         else:
-            acc += _oriented_dot(_to_dot_dtype(w, x_dtype), xk, PAIRS_MAJOR)
+            acc += _oriented_dot(_to_dot_dtype(w, x_dtype), xk, None, PAIRS_MAJOR)
     return acc
 
 

@@ -77,12 +77,8 @@ def _router_kernel(x_ptr, stride_xt, w_ptr, stride_we, b_ptr, sel_bias_ptr, part
                     logits += tl.load(b_ptr + e, mask=e_mask, other=0.0).to(tl.float32)
                 if ROUND:
                     logits = logits.to(x_ptr.dtype.element_ty).to(tl.float32)
-                ROW: tl.constexpr = TOP_K + 1 if HAS_EXTRA else TOP_K
-                route_token(logits, e, e_mask, sel_bias_ptr, weights_ptr, ids_ptr, t, scaling, TOP_K, K_PAD,
-                            SCORING, HAS_SEL_BIAS, RENORMALIZE, ROW)
-                if HAS_EXTRA:
-                    tl.store(weights_ptr + t * ROW + TOP_K, 1.0)
-                    tl.store(ids_ptr + t * ROW + TOP_K, extra_id)
+                route_token(logits, e, e_mask, sel_bias_ptr, weights_ptr, ids_ptr, t, scaling, extra_id, TOP_K,
+                            K_PAD, SCORING, HAS_SEL_BIAS, RENORMALIZE, HAS_EXTRA)
         tl.store(slot, 0)
 
 

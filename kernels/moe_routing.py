@@ -29,12 +29,14 @@ def with_shared_expert(weights: torch.Tensor, ids: torch.Tensor, expert: int) ->
 
 
 @triton.jit
-def route_token(logits, e, e_mask, bias_ptr, weights_ptr, ids_ptr, t, scaling,
+def route_token(logits, e, e_mask, bias_ptr, weights_ptr, ids_ptr, t, scaling, extra_id,
                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
-                RENORMALIZE: tl.constexpr, ROW: tl.constexpr):
+                RENORMALIZE: tl.constexpr, HAS_EXTRA: tl.constexpr):
     """One token's router logits (float32 [E_PAD] over experts e, e_mask the real ones) ->
-    its TOP_K weights and expert ids, stored at weights_ptr / ids_ptr + t * ROW (ROW >= TOP_K: the
-    outputs' row length)."""
+    its TOP_K weights and expert ids, stored in row t of weights_ptr / ids_ptr; HAS_EXTRA: rows of
+    TOP_K + 1, whose last column is expert extra_id at weight 1 (a shared expert stacked behind
+    the routed ones)."""
+    ROW: tl.constexpr = TOP_K + 1 if HAS_EXTRA else TOP_K
     if SCORING == 0:
         scores = tl.sigmoid(logits)
         choice = scores
@@ -73,6 +75,9 @@ def route_token(logits, e, e_mask, bias_ptr, weights_ptr, ids_ptr, t, scaling,
         w = p / tl.sum(p, axis=0)
     tl.store(weights_ptr + t * ROW + kk, w, mask=k_mask)
     tl.store(ids_ptr + t * ROW + kk, top_ids, mask=k_mask)
+    if HAS_EXTRA:
+        tl.store(weights_ptr + t * ROW + TOP_K, 1.0)
+        tl.store(ids_ptr + t * ROW + TOP_K, extra_id)
 
 
 @triton.jit
@@ -86,12 +91,8 @@ def _route_kernel(logits_ptr, stride_lt, bias_ptr, weights_ptr, ids_ptr, E, scal
     e = tl.arange(0, E_PAD)
     e_mask = e < E
     logits = tl.load(logits_ptr + t * stride_lt + e, mask=e_mask, other=0.0).to(tl.float32)
-    ROW: tl.constexpr = TOP_K + 1 if HAS_EXTRA else TOP_K
-    route_token(logits, e, e_mask, bias_ptr, weights_ptr, ids_ptr, t, scaling, TOP_K, K_PAD, SCORING, HAS_BIAS,
-                RENORMALIZE, ROW)
-    if HAS_EXTRA:
-        tl.store(weights_ptr + t * ROW + TOP_K, 1.0)
-        tl.store(ids_ptr + t * ROW + TOP_K, extra_id)
+    route_token(logits, e, e_mask, bias_ptr, weights_ptr, ids_ptr, t, scaling, extra_id, TOP_K, K_PAD, SCORING,
+                HAS_BIAS, RENORMALIZE, HAS_EXTRA)
 
 
 def _route(logits: torch.Tensor, top_k: int, scoring: int, bias: torch.Tensor | None,

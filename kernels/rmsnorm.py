@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_linear import E4M3_MAX, _scaled_e4m3, quant_rows_ref
+from .fp8_linear import quant_rows_ref, store_e4m3_row
 from .moe_gemv_half2 import half2_input_ref, store_half2_row
 
 
@@ -45,10 +45,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, 
     if HALF2:  # the normed row again in the MXFP4 packed-f16 MoE kernels' input form
         store_half2_row(out.to(tl.float32), d, mask, xq_ptr + row * D, inv_scale_ptr + row)
     if E4M3:  # and as e4m3, the same values quant_rows would make of the stored row
-        o = out.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(o), axis=0), 1e-12) / E4M3_MAX
-        tl.store(xq_ptr + row * D + d, _scaled_e4m3(o, scale), mask=mask)
-        tl.store(inv_scale_ptr + row, scale)
+        store_e4m3_row(out.to(tl.float32), d, mask, xq_ptr + row * D, inv_scale_ptr + row)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,

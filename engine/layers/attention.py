@@ -17,7 +17,7 @@ import torch
 from ...kernels.attention_cudnn import cudnn_prefill_attention, cudnn_prefill_pays, cudnn_shapes_fit, cudnn_works
 from ...kernels.attention_decode import paged_decode_attention, paged_decode_attention_ref, rotary_decode_attention
 from ...kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
-from ...kernels.gpu_facts import gpu_arch
+from ...kernels.gpu_facts import cuda_index, gpu_arch
 from ...kernels.rotary import apply_rotary, apply_rotary_ref
 from ..parallel.context import SINGLE, ParallelContext
 from ..spec import ModelSpec
@@ -32,7 +32,7 @@ def _takes_cudnn(q: torch.Tensor, k_cache: torch.Tensor, batch, query_lens: list
             gpu_arch(q.device).capability, q.shape[-1], k_cache.shape[2], k_cache.element_size(),
             batch.context_lens_host, query_lens):
         return False
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    device = cuda_index(q.device)
     return cudnn_works(device, q.shape[-1], q.dtype) and cudnn_shapes_fit(
         (device, q.shape[1], k_cache.shape[2], q.shape[-1], q.dtype), batch.context_lens_host, query_lens)
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ...kernels import row_gemv
 from ...kernels.fp8_linear import fp8_linear, takes_e4m3_rows
+from ...kernels.gpu_facts import cuda_index
 from ..weights.formats import DenseWeight, Fp8Weight, LinearWeight
 
 
@@ -38,7 +39,7 @@ def linear(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None,
 def linear_takes_e4m3(rows: int, dtype: torch.dtype, device: torch.device, w: LinearWeight) -> bool:
     """Whether linear quantises `rows` rows of x to e4m3 a row at a time for w (FP8 channel scales
     on cuBLAS), so that the norm in front can hand them over already in that form."""
-    return device.type == "cuda" and isinstance(w, Fp8Weight) and takes_e4m3_rows(rows, dtype, device, w)
+    return isinstance(w, Fp8Weight) and takes_e4m3_rows(rows, dtype, device, w)
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,7 +66,7 @@ def linear_float32(x: torch.Tensor, w: DenseWeight) -> torch.Tensor:
     tokens of GLM-4.5V: ~83 us a MoE layer that way)."""
     weight = w.weight
     if (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and mm_float32_out_works(x.device.index if x.device.index is not None else torch.cuda.current_device())):
+            and mm_float32_out_works(cuda_index(x.device))):
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x.to(torch.float32), weight.to(torch.float32))
 
