@@ -235,7 +235,7 @@ def add_bench_command(subparsers) -> None:
     p.add_argument("--layers", type=int, default=None, help="truncate the model to this many layers")
     p.add_argument("--chunk", type=int, default=None, metavar="TOKENS",
                    help="tokens one step may hold, i.e. the prefill chunk of a long prompt (default: the engine's, "
-                        "2048 on a GPU)")
+                        "8192 on a GPU)")
     p.add_argument("--compare", choices=["transformers"], default=None,
                    help="also time the transformers implementation on the same weights")
     p.add_argument("--compare-layers", type=int, default=None,

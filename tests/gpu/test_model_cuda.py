@@ -256,18 +256,47 @@ def test_norms_writing_e4m3_rows_change_no_logit():
         assert torch.equal(a, b)
 
 
-def prefill_in_two_chunks(model, spec, prompt: torch.Tensor, split: int, dtype) -> torch.Tensor:
-    """Prefills `prompt` as the engine does a long one: its first `split` tokens, then the rest
-    as a second chunk after them. Returns the second chunk's logits [len - split, vocab]."""
+def prefill_in_chunks(model, spec, prompt: torch.Tensor, starts: list[int], dtype, rows: int | None = None
+                      ) -> torch.Tensor:
+    """Prefills `prompt` as the engine does a long one: in chunks beginning at `starts` (the first
+    0), each after the ones before it in the cache. Returns the logits of the last chunk's last
+    `rows` rows (default: all of them), float32 on the CPU."""
     blocks = -(-len(prompt) // BLOCK)
     cache = PagedKVCache(spec.num_layers, blocks, BLOCK, spec.num_kv_heads, spec.head_dim, dtype, "cuda")
     table = list(range(blocks))
     ids = prompt.cuda()
     rope = model.rope_positions(ids, None)[0] if spec.family == "glm4v_moe" else torch.arange(len(prompt))
-    for start, end in ((0, split), (split, len(prompt))):
+    for start, end in zip(starts, [*starts[1:], len(prompt)]):
         batch = ForwardBatch.build([(table, start, end - start)], rope[..., start:end], BLOCK, "cuda")
         h = model.forward(model.embed(ids[start:end]).to(dtype), batch, cache)
-    return model.logits(h).float().cpu()
+    return model.logits(h[-(rows or len(h)):]).float().cpu()
+
+
+def prefill_in_two_chunks(model, spec, prompt: torch.Tensor, split: int, dtype) -> torch.Tensor:
+    """The first `split` tokens, then the rest; the second chunk's logits [len - split, vocab]."""
+    return prefill_in_chunks(model, spec, prompt, [0, split], dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["gpt-oss-120b.json", "glm-4.5v-fp8.json"])
+def test_one_chunk_of_8192_tokens_matches_four_of_2048(config):
+    """The engine's default chunk on a GPU (8192 tokens: every kernel of a layer at 65-74K
+    (token, expert) pairs, the largest grids and offsets it launches) against the same prompt in
+    four chunks of 2048, whose kernels the other tests check against their references; both with
+    the same experts per token, so only arithmetic can differ."""
+    spec = truncated_spec(config)
+    model = build_model(spec, dummy_weights(spec, device="cuda", dtype=torch.bfloat16, seed=5), "cuda")
+    prompt = torch.randint(0, 20000, (8192,), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode(), recorded_routing() as routes:
+        whole = prefill_in_chunks(model, spec, prompt, [0], torch.bfloat16, rows=2048)
+    per_chunk = [ids[c:c + 2048] for c in range(0, 8192, 2048) for ids in routes]  # chunk by chunk, layer by layer
+    with torch.inference_mode(), recorded_routing(spec, replay=per_chunk):
+        chunked = prefill_in_chunks(model, spec, prompt, [0, 2048, 4096, 6144], torch.bfloat16)
+    err = rel_err(whole, chunked)
+    agree = (whole.argmax(-1) == chunked.argmax(-1)).float().mean().item()
+    print(f"{config}: the last 2048 of 8192 tokens, one chunk vs four: logits rel err {err:.1e}, "
+          f"argmax agrees on {agree:.1%} of rows")
+    assert torch.isfinite(whole).all() and err < TOLERANCE[config]
 
 
 @pytest.mark.gpu

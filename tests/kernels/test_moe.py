@@ -168,7 +168,7 @@ def _tensors(w):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8_channel", "fp8_block"])
-@pytest.mark.parametrize("t", [1, 32, 256, 1024])  # row kernels, then the tiles of 2, 16 and 64 pairs per expert
+@pytest.mark.parametrize("t", [1, 32, 256, 1024, 8192])  # row kernels, the tiles of 2, 16, 64 pairs per expert, a chunk
 def test_glm45v_moe_gpu(fmt, t):
     e, k, h, i = 128, 8, 4096, 1408
     experts = MoeExperts(*random_glm_weights(fmt, e, i, h, device="cuda"))
@@ -198,7 +198,7 @@ def test_glm45v_pairs_major_tiles_gpu(fmt, t):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("e", [32, 128])
-@pytest.mark.parametrize("t", [1, 32, 64, 256, 1024])  # row kernels, then the tensor-core tiles of each bracket
+@pytest.mark.parametrize("t", [1, 32, 64, 256, 1024, 8192])  # row kernels, the tensor-core tiles of each bracket
 def test_gpt_oss_moe_gpu(e, t):
     k, h, i = 4, 2880, 2880
     experts = random_gpt_oss_experts(e, i, h, bias_dtype=torch.bfloat16, device="cuda")

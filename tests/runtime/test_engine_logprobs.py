@@ -133,7 +133,9 @@ def test_decode_steps_launched_ahead_on_cuda_return_the_eager_values(tmp_path):
     assert [ids for ids, _, _ in got] == [ids for ids, _, _ in expected]
     for (_, entries, _), (_, reference, _) in zip(got, expected):
         assert [(e.id, [t.id for t in e.top]) for e in entries] == [(e.id, [t.id for t in e.top]) for e in reference]
-        assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in reference], abs=1e-3)
+        # the same tokens and rankings; the values to the rounding of bf16 rows batched otherwise
+        # (which step each request joins depends on the host's timing: 1.2e-3 apart in two of six runs)
+        assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in reference], abs=5e-3)
     assert [len(entries) for _, entries, _ in got] == [24, 24, 0]
     eager.shutdown()
     engine.shutdown()
