@@ -48,9 +48,11 @@ class Engine:
     windows of max_running chats need, kv_budget.py; 0 keeps every layer in one pool, without
     releasing what the windows passed);
     max_batch_tokens is the per-step token budget (prefill chunk size; default 8192 on a GPU, 512 on
-    the CPU); max_running caps the sequences decoded together. cuda_graphs (default: on for CUDA,
-    on every rank) replays decode steps from captured graphs; each batch-size bucket is captured
-    on first use, or all by `warmup()`.
+    the CPU), max_batch_tokens_while_decoding that of a step in which other chats are answering
+    (default 2048 on a GPU, so their tokens keep coming while a long prompt is read; on the CPU
+    max_batch_tokens); max_running caps the sequences decoded together. cuda_graphs (default: on
+    for CUDA, on every rank) replays decode steps from captured graphs; each batch-size bucket is
+    captured on first use, or all by `warmup()`.
     decode_ahead (default on, with graphs in one process) launches each decode step before the
     previous one's tokens reach the host, so sampling, streaming and scheduling on the host
     overlap the GPU's next step instead of leaving it idle (not while a running request's tokens
@@ -97,7 +99,8 @@ class Engine:
 
     def _setup(self, spec, model, formatter, device, dtype, name, max_context, weights_bytes, *,
                block_size: int = 16, num_blocks: int | None = None, max_kv_tokens: int | None = None,
-               num_sliding_blocks: int | None = None, max_batch_tokens: int | None = None, max_running: int = 64,
+               num_sliding_blocks: int | None = None, max_batch_tokens: int | None = None,
+               max_batch_tokens_while_decoding: int | None = None, max_running: int = 64,
                kv_headroom_bytes: int | None = None, cuda_graphs: bool | None = None,
                decode_ahead: bool = True, weights_format: str | None = None) -> None:
         self.spec, self.model, self.formatter = spec, model, formatter
@@ -108,12 +111,14 @@ class Engine:
         self.weights_bytes = weights_bytes
         self.max_context = min(max_context or spec.max_position_embeddings, spec.max_position_embeddings)
         self.block_size = block_size
-        # 8192 on a GPU: a long prompt's first token 14-23% sooner than in 2048-token chunks (H100:
-        # gpt-oss-120b 16K tokens 923 -> 714 ms, 32K 2107 -> 1703 ms; GLM-4.5V-FP8, 24 layers, 16K
-        # 680 -> 588 ms; BENCHMARKS.md "Prefill chunks"): each chunk reads every layer's weights once,
-        # for more tokens. While a long prompt is read, the other running chats wait a chunk between
-        # tokens (gpt-oss-120b: ~0.36 s for 8192 tokens on an H100, ~0.1 s for 2048).
+        # 8192 on a GPU: a long prompt's first token 11-23% sooner than in 2048-token chunks (H100:
+        # gpt-oss-120b 16K tokens 923 -> 714 ms, 32K 2107 -> 1703 ms; H200: GLM-4.5V-FP8 16K 1238
+        # -> 1100 ms; BENCHMARKS.md "Prefill chunks"): each chunk reads every layer's weights once,
+        # for more tokens. Other chats answering at the time wait a step between tokens, so their
+        # steps hold 2048 (gpt-oss-120b on an H100: ~0.1 s a step against ~0.36 s for 8192).
         self.max_batch_tokens = max_batch_tokens or (8192 if device.type == "cuda" else 512)
+        while_decoding = max_batch_tokens_while_decoding or (
+            min(2048, self.max_batch_tokens) if device.type == "cuda" else self.max_batch_tokens)
         kv_heads = getattr(model, "kv_heads", spec.num_kv_heads)  # this rank's share under tensor parallelism
         plan = plan_kv_blocks(spec, dtype, device, block_size, max_context=self.max_context,
                               max_batch_tokens=self.max_batch_tokens, max_running=max_running,
@@ -129,7 +134,8 @@ class Engine:
         self.pool = BlockPool(n)
         self.sliding_pool = BlockPool(plan.num_sliding_blocks) if plan.num_sliding_blocks else None
         self.scheduler = Scheduler(self.pool, block_size, self.max_batch_tokens, max_running, self.sliding_pool,
-                                   spec.sliding_window if self.sliding_pool is not None else None)
+                                   spec.sliding_window if self.sliding_pool is not None else None,
+                                   max_batch_tokens_while_decoding=while_decoding)
         graphs = None
         if use_graphs:
             graphs = DecodeGraphs(model, self.cache, dtype, device, max_batch=max_running,

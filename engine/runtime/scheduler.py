@@ -2,8 +2,10 @@
 
 Continuous batching: every step packs one token for each decoding sequence and then prefill
 chunks, all under a per-step token budget, so a long (image) prompt is prefilled a chunk at a
-time while the other chats keep decoding. Waiting requests are admitted first come first served
-once their first chunk fits; on admission their prompt is matched against the prefix cache.
+time while the other chats keep decoding; the budget of a step that carries decodes may be a
+smaller one, so those chats' tokens keep their pace while a prompt read alone takes whole steps.
+Waiting requests are admitted first come first served once their first chunk fits; on admission
+their prompt is matched against the prefix cache.
 When a running sequence needs a block and none is free, the newest request (by arrival) is
 preempted: its blocks go back to the pool and it waits at the head of the queue to be
 recomputed (its generated tokens are kept, so its output continues exactly where it stopped).
@@ -28,12 +30,24 @@ from .sequence import Sequence, Status
 
 class Scheduler:
     """sliding_pool, window: the sliding group's pool and the window in tokens (None without a
-    sliding group); its placeholder block id is sliding_pool.num_blocks (kv_cache.py)."""
+    sliding group); its placeholder block id is sliding_pool.num_blocks (kv_cache.py).
+    max_batch_tokens_while_decoding (default max_batch_tokens): the budget of a step while a
+    running sequence decodes (its prompt read), so a long prompt is read in shorter chunks while
+    other chats are answering, their tokens coming at the pace of those chunks, and in whole
+    steps when it is alone."""
 
     def __init__(self, pool: BlockPool, block_size: int, max_batch_tokens: int, max_running: int,
-                 sliding_pool: BlockPool | None = None, window: int | None = None):
+                 sliding_pool: BlockPool | None = None, window: int | None = None,
+                 max_batch_tokens_while_decoding: int | None = None):
         if (sliding_pool is None) != (window is None):
             raise ValueError("a sliding pool needs its window, and a window its pool")
+        while_decoding = max_batch_tokens_while_decoding
+        if while_decoding is None:
+            while_decoding = max_batch_tokens
+        if not 0 < while_decoding <= max_batch_tokens:
+            raise ValueError(f"max_batch_tokens_while_decoding must be 1..max_batch_tokens ({max_batch_tokens}), "
+                             f"got {while_decoding}")
+        self.max_batch_tokens_while_decoding = while_decoding
         self.pool = pool
         self.sliding_pool = sliding_pool
         self.window = window
@@ -130,7 +144,8 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The next step's (sequence, new token count) pairs, in packing order."""
-        budget = self.max_batch_tokens
+        decoding = any(seq.num_computed >= seq.prompt_len for seq in self.running)  # its prompt read
+        budget = self.max_batch_tokens_while_decoding if decoding else self.max_batch_tokens
         plan: dict[Sequence, int] = {}
         preempted_before = self.preemptions
         # Decodes first so a long prefill never stalls them; oldest first within each kind.

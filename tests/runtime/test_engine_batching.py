@@ -54,6 +54,21 @@ def test_batched_requests_give_the_tokens_of_one_at_a_time(oss):
     alone_engine.shutdown()
 
 
+def test_prompts_read_in_shorter_steps_beside_answers_give_the_same_tokens(oss):
+    requests = [chat(("user", q), max_tokens=12) for q in QUESTIONS]
+    alone_engine = oss.engine(block_size=4, max_batch_tokens=32)
+    alone = [collect(alone_engine.submit(r))[0] for r in requests]
+    engine = oss.engine(block_size=4, max_batch_tokens=32, max_batch_tokens_while_decoding=6)
+    assert engine.scheduler.max_batch_tokens_while_decoding == 6
+    first = iter(engine.submit(requests[0]))
+    head = next(first)  # answering now: the prompts after it are read 6 tokens a step, its own among them
+    streams = [engine.submit(r) for r in requests[1:]]
+    assert [list(head.token_ids) + collect(first)[0]] + [collect(s)[0] for s in streams] == alone
+    assert _wait_until_idle(engine) and _wait_until_idle(alone_engine)
+    engine.shutdown()
+    alone_engine.shutdown()
+
+
 def test_requests_from_several_threads(oss):
     requests = [chat(("user", q + " " * i), max_tokens=10) for i, q in enumerate(QUESTIONS * 2)]
     reference = oss.engine(block_size=4)

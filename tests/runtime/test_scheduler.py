@@ -33,6 +33,31 @@ def test_decodes_go_first_and_prefill_is_chunked_under_the_budget():
     assert [(s.seq_id, n) for s, n in _step(sched)] == [(0, 1), (1, 1)]
 
 
+def test_a_prompt_alone_takes_the_whole_budget_and_beside_decodes_the_smaller_one():
+    sched = Scheduler(BlockPool(64), 4, max_batch_tokens=24, max_running=8, max_batch_tokens_while_decoding=8)
+    first, second = _seq(0, 30), _seq(1, 40)
+    sched.add(first)
+    assert [(s.seq_id, n) for s, n in _step(sched)] == [(0, 24)]  # alone: whole steps
+    assert [(s.seq_id, n) for s, n in _step(sched)] == [(0, 6)]
+    sched.add(second)  # the first answers now: every step with its token holds 8, its own among them
+    assert [(s.seq_id, n) for s, n in _step(sched)] == [(0, 1), (1, 7)]
+    assert [(s.seq_id, n) for s, n in _step(sched)] == [(0, 1), (1, 7)]
+    sched.remove(first)
+    assert [(s.seq_id, n) for s, n in _step(sched)] == [(1, 24)]  # alone again
+    assert [(s.seq_id, n) for s, n in _step(sched)] == [(1, 2)]
+    assert [(s.seq_id, n) for s, n in _step(sched)] == [(1, 1)]  # its own answer
+
+
+def test_the_budget_beside_decodes_must_fit_the_step():
+    for bad in (0, 25):
+        try:
+            Scheduler(BlockPool(8), 4, max_batch_tokens=24, max_running=8, max_batch_tokens_while_decoding=bad)
+        except ValueError as e:
+            assert "max_batch_tokens_while_decoding" in str(e) and str(bad) in str(e)
+        else:
+            raise AssertionError(f"{bad} accepted")
+
+
 def _two_prefilled(n_prompt: int):
     """A 6-block pool of 4-token blocks with two sequences of n_prompt tokens after their prefill."""
     pool = BlockPool(6)
