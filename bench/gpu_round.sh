@@ -26,7 +26,8 @@
 # out of the pages in two parts, kernels/attention_cudnn.py: its GPU tests, the merge kernel's and the
 # engine's switch on a long prompt, then against the paged kernel and SDPA over 0-30K cached keys,
 # bench/bench_prefill_attention.py --cudnn, and what a new shape's first call costs, bench/cudnn_shape_probe.py),
-# chunk (a long prompt's time to first token at 2048- and 4096-token steps, `localchat bench --chunk`).
+# chunk (a long prompt's time to first token at 2048-, 4096- and 8192-token steps, `localchat bench --chunk`, and
+# beside a running answer, bench/bench_prefill_beside_decodes.py).
 # Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
@@ -96,13 +97,15 @@ step fp8-accumulate && [ -d before_kernels ] && BEFORE_DIR=before_kernels timeou
 step prefill-cudnn && timeout "${CUDNN_TESTS_S:-150}" python3 -m pytest -m gpu tests/kernels/test_attention_cudnn.py tests/kernels/test_attention_merge.py tests/gpu/test_model_cuda.py -k "cudnn or merge or sdpa or long_prefix" -q -s -p no:cacheprovider 2>&1 | tee "$OUT/cudnn_gpu.log" | tail -8
 step prefill-cudnn && timeout "${CUDNN_S:-120}" python3 bench/bench_prefill_attention.py --tiles "" --cudnn --prefixes 0,2048,4096,8192,16384,30720 2>&1 | tee "$OUT/prefill_cudnn.log" | grep -v Warn
 step prefill-cudnn && timeout "${CUDNN_PROBE_S:-90}" python3 bench/cudnn_shape_probe.py 2>&1 | tee "$OUT/cudnn_shapes.log"
-# chunk: a long prompt's time to first token with the engine's steps holding 2048 or 4096 tokens
+# chunk: a long prompt's time to first token with the engine's steps holding 2048, 4096 or 8192 tokens
 # (--chunk), whole models where they fit (GLM-4.5V-FP8 needs an H200's memory; on an H100 its first
 # CHUNK_LAYERS layers), one 8192-token prompt and a 16384-token one, batch 1 twice (the second row
 # is the one to read: the first builds the new prefill shapes)
 CHUNK_GLM_LAYERS=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || echo "--layers ${CHUNK_LAYERS:-24}")
-for chunk in 2048 4096; do for len in 8192 16384; do
+for chunk in 2048 4096 8192; do for len in 8192 16384; do
   step chunk && timeout "${CHUNK_S:-240}" python3 bench/bench_decode.py glm-4.5v-fp8 --dummy $CHUNK_GLM_LAYERS --batch 1,1 --prompt-len $len --gen-len 16 --image none --chunk $chunk 2>&1 | tee -a "$OUT/chunk.log" | grep -E "layers|TTFT"
   step chunk && timeout "${CHUNK_S:-240}" python3 bench/bench_decode.py gpt-oss-120b --dummy --batch 1,1 --prompt-len $len --gen-len 16 --chunk $chunk 2>&1 | tee -a "$OUT/chunk.log" | grep -E "layers|TTFT"
 done; done
+# the same chunks beside a running answer: its token gaps while a 16K-token prompt is read, and that prompt's TTFT
+step chunk && timeout "${CHUNK_S:-240}" python3 bench/bench_prefill_beside_decodes.py gpt-oss-120b 2>&1 | tee -a "$OUT/chunk.log" | grep beside
 exit 0
