@@ -1,3 +1,5 @@
+import pytest
+
 from localchat.engine.runtime.block_pool import BlockPool
 from localchat.engine.runtime.prompt import Prompt
 from localchat.engine.runtime.scheduler import Scheduler
@@ -48,14 +50,10 @@ def test_a_prompt_alone_takes_the_whole_budget_and_beside_decodes_the_smaller_on
     assert [(s.seq_id, n) for s, n in _step(sched)] == [(1, 1)]  # its own answer
 
 
-def test_the_budget_beside_decodes_must_fit_the_step():
-    for bad in (0, 25):
-        try:
-            Scheduler(BlockPool(8), 4, max_batch_tokens=24, max_running=8, max_batch_tokens_while_decoding=bad)
-        except ValueError as e:
-            assert "max_batch_tokens_while_decoding" in str(e) and str(bad) in str(e)
-        else:
-            raise AssertionError(f"{bad} accepted")
+@pytest.mark.parametrize("bad", [0, 25])
+def test_the_budget_beside_decodes_must_fit_the_step(bad):
+    with pytest.raises(ValueError, match=f"max_batch_tokens_while_decoding must be 1..max_batch_tokens .24., got {bad}"):
+        Scheduler(BlockPool(8), 4, max_batch_tokens=24, max_running=8, max_batch_tokens_while_decoding=bad)
 
 
 def _two_prefilled(n_prompt: int):
