@@ -3,10 +3,11 @@ cuDNN graph per shape (sequence lengths included), and every new prompt length o
 length is a new shape. Times, for GLM-4.5V's and gpt-oss's heads, the first call of
 cudnn_prefill_attention at a few new (queries, prefix) shapes against the second call at the same
 shape and the paged Triton kernel (whose lengths are runtime arguments: nothing to build).
-    python bench/cudnn_shape_probe.py
+    python bench/cudnn_shape_probe.py [--shapes QUERIES:PREFIX,...] [--only GLM-4.5V]
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -33,8 +34,15 @@ def wall_ms(fn) -> float:
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=",".join(f"{q}:{n}" for q, n in SHAPES), help="queries:prefix pairs")
+    p.add_argument("--only", default=None, help="one case by name (GLM-4.5V or gpt-oss)")
+    args = p.parse_args()
+    shapes = [tuple(int(x) for x in pair.split(":")) for pair in args.shapes.split(",")]
     for name, hq, hkv, d, sinks in CASES:
-        for queries, prefix in SHAPES:
+        if args.only and name != args.only:
+            continue
+        for queries, prefix in shapes:
             ctx = prefix + queries
             k, v, tables, lens = paged_cache([ctx], hkv, d, 16, torch.bfloat16)
             q = torch.randn(queries, hq, d, device="cuda", dtype=torch.bfloat16)

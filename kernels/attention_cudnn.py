@@ -17,7 +17,8 @@ No window: sliding-window layers (gpt-oss, 128 keys) stay on the paged kernel, w
 `cudnn_prefill_attention` has paged_prefill_attention's signature plus the host-side lengths and
 the call to use. `cudnn_prefill_pays` says where the engine takes it over the paged Triton kernel:
 GLM-4.5V's 2048-query chunks after 8K cached keys or more, where it was 2.0-2.2x faster on an H100
-and paid back the graph torch builds for each new shape (see the constants below).
+and paid back the graph torch builds for each new shape, and its 8192-query chunks from the first
+(see the constants below).
 """
 from __future__ import annotations
 
@@ -113,6 +114,11 @@ def cudnn_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # full-attention layers) save at most 1.4 ms a layer, 25 ms a chunk: never paid back, not taken.
 CUDNN_MIN_PREFIX = {128: 8192}
 CUDNN_MIN_QUERIES = 2048
+# A chunk of this many queries pays its build back with no prefix at all (GLM-4.5V at 8192 queries:
+# 2.9-3.1 against 5.8 ms a layer, ~130 ms over 46 layers, against a ~60 ms build; BENCHMARKS.md
+# "Prefill attention", 2026-12-06 latest): a long prompt's first chunk at the engine's default step
+# on a GPU, a shape that recurs for every prompt longer than one step and that the warmup builds.
+CUDNN_LONG_CHUNK = 8192
 # Sequences a prefill batch may hold for it: each costs its own gathers and calls.
 CUDNN_MAX_SEQS = 4
 # A sequence's gathered keys and values must fit this (a transient inside the planner's
@@ -131,7 +137,7 @@ def cudnn_prefill_pays(capability: tuple[int, int], head_dim: int, kv_heads: int
     min_prefix = CUDNN_MIN_PREFIX.get(head_dim)
     if capability[0] != 9 or min_prefix is None or not 0 < len(context_lens) <= CUDNN_MAX_SEQS:
         return False
-    return all(queries >= CUDNN_MIN_QUERIES and keys - queries >= min_prefix
+    return all(queries >= CUDNN_MIN_QUERIES and (keys - queries >= min_prefix or queries >= CUDNN_LONG_CHUNK)
                and 2 * keys * kv_heads * head_dim * element_size <= CUDNN_MAX_GATHER_BYTES
                for keys, queries in zip(context_lens, query_lens))
 

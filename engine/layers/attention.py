@@ -2,9 +2,9 @@
 
 CUDA runs the Triton kernels (rotary fused with the cache write, paged attention; at decode the
 rotation and the cache write ride in the attention launch itself); elsewhere their torch
-references (same signatures) run. A prefill chunk after a long cached prefix on Hopper goes to
-cuDNN's fused attention on keys copied out of the pages instead (kernels/attention_cudnn.py),
-where that measured faster.
+references (same signatures) run. A prefill chunk after a long cached prefix, or a whole long
+chunk, on Hopper goes to cuDNN's fused attention on keys copied out of the pages instead
+(kernels/attention_cudnn.py), where that measured faster.
 Keys and values live in a paged cache (engine/runtime/kv_cache.py); a ForwardBatch says which slots.
 With a split cache (gpt-oss), a sliding-window layer keeps its K/V in the sliding group and reads
 that group's block tables and slots; every other layer, and every layer of a one-group cache,

@@ -302,10 +302,11 @@ def test_one_chunk_of_8192_tokens_matches_four_of_2048(config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config, prefix, forced", [("glm-4.5v.json", 8200, False), ("gpt-oss-20b.json", 8200, True)])
 def test_long_prefix_chunk_goes_through_cudnn(config, prefix, forced):
-    """A prompt's 2048-token chunk after a long cached prefix takes cuDNN's attention on gathered
-    keys in every full-attention layer (engine/layers/attention.py; for gpt-oss, whose heads of 64
-    the engine keeps on the paged kernel, forced, to run its sinks through the same path), and its
-    logits match the same chunk through the paged Triton kernel."""
+    """A prompt's 2048-token chunk after a long cached prefix (read in two shorter chunks, which
+    stay on the paged kernel) takes cuDNN's attention on gathered keys in every full-attention
+    layer (engine/layers/attention.py; for gpt-oss, whose heads of 64 the engine keeps on the
+    paged kernel, forced, to run its sinks through the same path), and its logits match the same
+    chunk through the paged Triton kernel."""
     from localchat.engine.layers import attention as attention_layer
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -324,12 +325,12 @@ def test_long_prefix_chunk_goes_through_cudnn(config, prefix, forced):
     try:
         attention_layer.cudnn_prefill_attention = counted
         if forced:
-            attention_layer.cudnn_prefill_pays = lambda *a: a[4][0] - a[5][0] > 0
+            attention_layer.cudnn_prefill_pays = lambda *a: a[4][0] - a[5][0] >= prefix
         with torch.inference_mode(), recorded_routing() as routes:
-            got = prefill_in_two_chunks(model, spec, prompt, prefix, torch.bfloat16)
+            got = prefill_in_chunks(model, spec, prompt, [0, prefix // 2, prefix], torch.bfloat16)
         attention_layer._takes_cudnn = lambda *a, **k: False
         with torch.inference_mode(), recorded_routing(spec, replay=routes):
-            ref = prefill_in_two_chunks(model, spec, prompt, prefix, torch.bfloat16)
+            ref = prefill_in_chunks(model, spec, prompt, [0, prefix // 2, prefix], torch.bfloat16)
     finally:
         attention_layer.cudnn_prefill_attention, attention_layer.cudnn_prefill_pays = through_cudnn, pays
         attention_layer._takes_cudnn = saved_takes

@@ -155,6 +155,9 @@ def test_cudnn_taken_only_where_measured_faster():
     # GLM-4.5V: heads of 128, 8 KV heads, bf16; a 2048-token chunk after 8K / 6K cached keys
     assert cudnn_prefill_pays(hopper, 128, 8, 2, [8192 + 2048], [2048])
     assert not cudnn_prefill_pays(hopper, 128, 8, 2, [6144 + 2048], [2048])
+    # a whole 8192-token step, even with no prefix (a long prompt's first chunk); one token short of it not
+    assert cudnn_prefill_pays(hopper, 128, 8, 2, [8192], [8192])
+    assert not cudnn_prefill_pays(hopper, 128, 8, 2, [8191], [8191])
     assert not cudnn_prefill_pays(ampere, 128, 8, 2, [8192 + 2048], [2048])  # not measured there
     # a short chunk after a long prefix (a chat's next turn) saves less than its graph's build
     assert not cudnn_prefill_pays(hopper, 128, 8, 2, [30000 + 300], [300])
