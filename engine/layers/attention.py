@@ -12,6 +12,8 @@ reads the full group's.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ...kernels.attention_cudnn import cudnn_prefill_attention, cudnn_prefill_pays, cudnn_shapes_fit, cudnn_works
@@ -22,6 +24,11 @@ from ...kernels.rotary import apply_rotary, apply_rotary_ref
 from ..parallel.context import SINGLE, ParallelContext
 from ..spec import ModelSpec
 from .linear import concat_rows, linear, linear_takes_e4m3
+
+log = logging.getLogger(__name__)
+# Devices where a cuDNN prefill call raised (a shape its build refuses, a workspace that did not
+# fit): every later prefill there takes the paged kernel.
+_cudnn_failed: set[torch.device] = set()
 
 
 def _takes_cudnn(q: torch.Tensor, k_cache: torch.Tensor, batch, query_lens: list[int]) -> bool:
@@ -35,6 +42,26 @@ def _takes_cudnn(q: torch.Tensor, k_cache: torch.Tensor, batch, query_lens: list
     device = cuda_index(q.device)
     return cudnn_works(device, q.shape[-1], q.dtype) and cudnn_shapes_fit(
         (device, q.shape[1], k_cache.shape[2], q.shape[-1], q.dtype), batch.context_lens_host, query_lens)
+
+
+def _through_cudnn(q, k_cache, v_cache, tables, batch, query_lens: list[int], scale, sinks, new_keys, new_values
+                   ) -> torch.Tensor | None:
+    """A prefill batch's attention through cuDNN where _takes_cudnn says it pays; None where it does
+    not, or where the call raised (logged once; the paged kernel then takes this batch and every
+    later one on the device: the attention writes nothing but its output, so the batch is simply
+    attended again)."""
+    if q.device in _cudnn_failed or not _takes_cudnn(q, k_cache, batch, query_lens):
+        return None
+    try:
+        return cudnn_prefill_attention(q, k_cache, v_cache, tables, batch.context_lens, batch.query_start,
+                                       max(query_lens), scale, sinks, context_lens_host=batch.context_lens_host,
+                                       query_start_host=batch.query_start_host, new_keys=new_keys,
+                                       new_values=new_values)
+    except RuntimeError as e:  # torch's cuDNN errors and out-of-memory both
+        _cudnn_failed.add(q.device)
+        log.warning("cuDNN's prefill attention failed on %s (%s: %s); prefill attention takes the paged kernel "
+                    "from now on", q.device, type(e).__name__, e)
+        return None
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
@@ -56,10 +83,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     starts = batch.query_start_host
     query_lens = [b - a for a, b in zip(starts, starts[1:])]
     longest = max(query_lens)
-    if on_gpu and window is None and _takes_cudnn(q, k_cache, batch, query_lens):
-        return cudnn_prefill_attention(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks,
-                                       context_lens_host=batch.context_lens_host, query_start_host=starts,
-                                       new_keys=new_keys, new_values=new_values)
+    if on_gpu and window is None:
+        out = _through_cudnn(q, k_cache, v_cache, tables, batch, query_lens, scale, sinks, new_keys, new_values)
+        if out is not None:
+            return out
     prefill = paged_prefill_attention if on_gpu else paged_prefill_attention_ref
     return prefill(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks, window)
 

@@ -1,6 +1,10 @@
 """Prefill attention through cuDNN on gathered keys: the split into the cached prefix and the
 chunk's own keys, their merge through the log-sum-exps and the sinks' share, against the paged
-reference; the real call's masks and log-sum-exp on the GPU."""
+reference; the real call's masks and log-sum-exp on the GPU; where the engine takes it, and its
+fall-back to the paged kernel when a call fails."""
+import logging
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -184,3 +188,30 @@ def test_graph_shapes_are_bounded(monkeypatch):
     assert not cudnn_shapes_fit(layout, [18432], [2048])  # a sixth shape: past the bound
     assert cudnn_shapes_fit(layout, [12288], [2048])  # the built ones still go
     assert not cudnn_shapes_fit((0, 96, 8, 128, torch.float16), [10240], [2048])  # another dtype is another graph
+
+
+def test_a_cudnn_error_sends_prefill_to_the_paged_kernel_from_then_on(monkeypatch, caplog):
+    from localchat.engine.layers import attention as layer
+
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(kwargs["context_lens_host"])
+        raise RuntimeError("cuDNN Frontend error: No valid execution plans built.")
+
+    monkeypatch.setattr(layer, "_takes_cudnn", lambda *a: True)
+    monkeypatch.setattr(layer, "cudnn_prefill_attention", failing)
+    monkeypatch.setattr(layer, "_cudnn_failed", set())
+    q = torch.zeros(4, 2, 8)
+    batch = SimpleNamespace(context_lens=None, query_start=None, context_lens_host=[4], query_start_host=[0, 4])
+    args = (q, None, None, None, batch, [4], 1.0, None, None, None)
+    with caplog.at_level(logging.WARNING, logger=layer.__name__):
+        assert layer._through_cudnn(*args) is None  # the caller then runs the paged kernel
+        assert layer._through_cudnn(*args) is None
+    assert calls == [[4]]  # tried once: the device is off cuDNN from then on
+    assert q.device in layer._cudnn_failed
+    assert "RuntimeError: cuDNN Frontend error" in caplog.text and "paged kernel" in caplog.text
+    # where the call works, its output is the attention's
+    monkeypatch.setattr(layer, "_cudnn_failed", set())
+    monkeypatch.setattr(layer, "cudnn_prefill_attention", lambda *a, **k: q + 1)
+    assert torch.equal(layer._through_cudnn(*args), q + 1)
