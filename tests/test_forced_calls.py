@@ -9,7 +9,7 @@ import torch
 
 from fixtures import open_fixture
 from localchat.engine.runtime import constrained
-from localchat.engine.runtime import engine as engine_module
+from localchat.engine.runtime import engine_loop as loop_module
 from localchat.engine.runtime.engine import Engine
 from localchat.engine.runtime.reasoning import reasoning_parser
 from localchat.engine.runtime.request import ChatRequest, Delta, Final, ForcedCall, Message, SamplingParams
@@ -111,7 +111,7 @@ def test_the_engine_streams_a_forced_call_like_a_chosen_one(engines, name, force
     tokens = iter(tokenizer(continuation, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids(end)])
     # the model's choices replaced by the script, one token a step (gpt-oss's arguments to a named
     # function are chosen by their schema's automaton: the script stands in for that choice too)
-    monkeypatch.setattr(engine_module, "sample_tokens", lambda logits, samplers, contexts: [next(tokens)])
+    monkeypatch.setattr(loop_module, "sample_tokens", lambda logits, samplers, contexts: [next(tokens)])
     monkeypatch.setattr(constrained.JsonAnswer, "choose", lambda answer, logits, sampler, context: next(tokens))
     items = list(engine.submit(ChatRequest(QUESTION, SamplingParams(max_tokens=100), tools=TOOLS, forced_call=forced)))
     deltas, final = [d for d in items if isinstance(d, Delta)], items[-1]
@@ -217,8 +217,8 @@ def test_a_call_the_model_makes_to_a_strict_function_follows_its_schema(name, ah
     def scripted_on_device(logits, samplers, contexts):
         return torch.tensor(scripted(logits, samplers, contexts), device=logits.device)
 
-    monkeypatch.setattr(engine_module, "sample_tokens", scripted)
-    monkeypatch.setattr(engine_module, "choose_tokens", scripted_on_device)
+    monkeypatch.setattr(loop_module, "sample_tokens", scripted)
+    monkeypatch.setattr(loop_module, "choose_tokens", scripted_on_device)
     lean_towards_endings(engine, name, monkeypatch)
     try:
         items = list(engine.submit(ChatRequest(QUESTION, SamplingParams(max_tokens=300, temperature=0.0),

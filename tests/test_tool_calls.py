@@ -7,7 +7,7 @@ import random
 import pytest
 
 from fixtures import open_fixture
-from localchat.engine.runtime import engine as engine_module
+from localchat.engine.runtime import engine_loop as loop_module
 from localchat.engine.runtime.engine import Engine
 from localchat.engine.runtime.reasoning import GlmReasoningParser, HarmonyParser
 from localchat.engine.runtime.request import ChatRequest, Delta, Final, Message, SamplingParams, ToolCall
@@ -131,7 +131,7 @@ def test_the_engine_streams_the_calls_and_ends_with_tool_calls(name, script, end
     tokenizer = engine.formatter.tokenizer
     tokens = iter(tokenizer(script, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids(end)])
     # the model's choices replaced by the script, one token a step
-    monkeypatch.setattr(engine_module, "sample_tokens", lambda logits, samplers, contexts: [next(tokens)])
+    monkeypatch.setattr(loop_module, "sample_tokens", lambda logits, samplers, contexts: [next(tokens)])
     try:
         stream = engine.submit(ChatRequest((Message.text("user", "Weather in Paris?"),),
                                            SamplingParams(max_tokens=200), tools=(WEATHER, TIME)))

@@ -12,7 +12,7 @@ from fake_engine import FakeEngine
 from live_server import LiveServer, png_bytes
 from localchat.app.ui import create_app
 from localchat.engine.runtime import constrained
-from localchat.engine.runtime import engine as engine_module
+from localchat.engine.runtime import engine_loop as loop_module
 from localchat.engine.runtime.request import Final, ForcedCall, ImagePart, TextPart, ToolCall
 from localchat.engine.spec import SamplingDefaults
 
@@ -396,7 +396,7 @@ def test_a_forced_call_from_the_real_engine_comes_out_like_a_chosen_one(demo_run
     def scripted(logits, samplers, contexts):
         return [next(tokens)]
 
-    monkeypatch.setattr(engine_module, "sample_tokens", scripted)
+    monkeypatch.setattr(loop_module, "sample_tokens", scripted)
     # the arguments of a named call are chosen by its schema's grammar: the script stands in there too
     monkeypatch.setattr(constrained.JsonAnswer, "choose", lambda answer, logits, sampler, context: next(tokens))
     engine = DemoEngine(demo_runtime, max_tokens=50)
