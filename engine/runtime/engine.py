@@ -116,8 +116,9 @@ class Engine(EngineLoop):
         # for more tokens. Other chats answering at the time wait a step between tokens, so their
         # steps hold 2048 (gpt-oss-120b on an H100: ~0.1 s a step against ~0.36 s for 8192).
         self.max_batch_tokens = max_batch_tokens or (8192 if device.type == "cuda" else 512)
-        while_decoding = max_batch_tokens_while_decoding or (
-            min(2048, self.max_batch_tokens) if device.type == "cuda" else self.max_batch_tokens)
+        while_decoding = max_batch_tokens_while_decoding
+        if while_decoding is None:  # the scheduler refuses a value outside 1..max_batch_tokens
+            while_decoding = min(2048, self.max_batch_tokens) if device.type == "cuda" else self.max_batch_tokens
         kv_heads = getattr(model, "kv_heads", spec.num_kv_heads)  # this rank's share under tensor parallelism
         plan = plan_kv_blocks(spec, dtype, device, block_size, max_context=self.max_context,
                               max_batch_tokens=self.max_batch_tokens, max_running=max_running,

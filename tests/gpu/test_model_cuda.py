@@ -272,11 +272,6 @@ def prefill_in_chunks(model, spec, prompt: torch.Tensor, starts: list[int], dtyp
     return model.logits(h[-(rows or len(h)):]).float().cpu()
 
 
-def prefill_in_two_chunks(model, spec, prompt: torch.Tensor, split: int, dtype) -> torch.Tensor:
-    """The first `split` tokens, then the rest; the second chunk's logits [len - split, vocab]."""
-    return prefill_in_chunks(model, spec, prompt, [0, split], dtype)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["gpt-oss-120b.json", "glm-4.5v-fp8.json"])
 def test_one_chunk_of_8192_tokens_matches_four_of_2048(config):
