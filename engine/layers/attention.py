@@ -80,6 +80,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if batch.is_decode:
         decode = paged_decode_attention if on_gpu else paged_decode_attention_ref
         return decode(q, k_cache, v_cache, tables, lens, scale, sinks, window)
+    prefill = paged_prefill_attention if on_gpu else paged_prefill_attention_ref
+    if batch.captured_query_len is not None:  # a captured graph: sized by its bound, no host-planned path
+        return prefill(q, k_cache, v_cache, tables, lens, batch.query_start, batch.captured_query_len, scale,
+                       sinks, window)
     starts = batch.query_start_host
     query_lens = [b - a for a, b in zip(starts, starts[1:])]
     longest = max(query_lens)
@@ -87,7 +91,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = _through_cudnn(q, k_cache, v_cache, tables, batch, query_lens, scale, sinks, new_keys, new_values)
         if out is not None:
             return out
-    prefill = paged_prefill_attention if on_gpu else paged_prefill_attention_ref
     return prefill(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks, window)
 
 

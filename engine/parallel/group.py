@@ -179,19 +179,19 @@ class WorkerGroup:
         kind = "tensor + expert parallel" if self.expert_parallel else "tensor parallel"
         return f"{', '.join(str(d) for d in self.devices)} ({kind}, {self.world_size} ranks)"
 
-    def step_runner(self, model, cache, device: torch.device, dtype: torch.dtype, graphs=None):
-        """Allocates every worker's KV cache like rank 0's `cache` (and decode graphs like
-        `graphs`, a DecodeGraphs or None); returns rank 0's runner."""
+    def step_runner(self, model, cache, device: torch.device, dtype: torch.dtype, graphs=None, chunks=None):
+        """Allocates every worker's KV cache like rank 0's `cache` (and decode and chunk graphs
+        like `graphs` and `chunks`, a DecodeGraphs and a ChunkGraphs or None); returns rank 0's runner."""
         from .runner import ParallelStepRunner
 
         try:
             self._broadcast("cache", cache.num_blocks, cache.block_size, cache.num_sliding_blocks,
-                            None if graphs is None else graphs.shape)
+                            None if graphs is None else graphs.shape, None if chunks is None else chunks.shape)
             self._replies(DONE)
         except BaseException:
             self.close()
             raise
-        return ParallelStepRunner(model, cache, device, dtype, self, graphs)
+        return ParallelStepRunner(model, cache, device, dtype, self, graphs, chunks)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the workers (killing those that do not stop) and leaves the process group."""
@@ -238,7 +238,7 @@ class WorkerGroup:
         self._send_all(pickle.dumps(("decode", inputs)))
 
     def send_capture(self) -> None:
-        """Every worker captures all its decode graphs, in the order rank 0 does."""
+        """Every worker captures all its decode and chunk graphs, in the order rank 0 does."""
         self._send_all(pickle.dumps(("capture",)))
 
     def _send_all(self, payload: bytes) -> None:

@@ -15,8 +15,11 @@ class ParallelStepRunner(StepRunner):
     """Same interface as StepRunner; the logits it returns are whole (gathered over the ranks'
     vocabulary slices), so sampling stays on rank 0 unchanged."""
 
-    def __init__(self, model, cache, device: torch.device, dtype: torch.dtype, group: WorkerGroup, graphs=None):
-        super().__init__(model, cache, device, dtype, graphs)
+    fails_together = True
+
+    def __init__(self, model, cache, device: torch.device, dtype: torch.dtype, group: WorkerGroup, graphs=None,
+                 chunks=None):
+        super().__init__(model, cache, device, dtype, graphs, chunks)
         self.group = group
 
     def run(self, plan: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor | None]:
@@ -32,13 +35,12 @@ class ParallelStepRunner(StepRunner):
             return sampling, self.forward(inputs)
 
     def capture_graphs(self) -> float:
-        if self.graphs is None:
+        if self.graphs is None and self.chunks is None:
             return 0.0
         self.group.check()
         self.group.send_capture()
         with self._on_device():
-            self._in_step(self.graphs.capture_all)
-        return self.graphs.capture_seconds
+            return self._in_step(super().capture_graphs)
 
     def _in_step(self, fn):
         """Runs rank 0's part of work every rank is doing at once. A failure anywhere leaves the

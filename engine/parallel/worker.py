@@ -75,6 +75,7 @@ def worker_main(rank: int, world_size: int, port: int, device: str, conn, timeou
 def _serve(conn, rank: int, world_size: int, device: torch.device) -> None:
     import torch.distributed as dist
 
+    from ..runtime.chunk_graphs import ChunkGraphs
     from ..runtime.decode_graphs import DecodeGraphs
     from ..runtime.kv_cache import build_kv_cache
     from ..runtime.step_runner import StepRunner
@@ -103,10 +104,12 @@ def _serve(conn, rank: int, world_size: int, device: torch.device) -> None:
         elif kind == "capture":
             runner.capture_graphs()
         elif kind == "cache":
-            num_blocks, block_size, num_sliding_blocks, graph_shape = message[1:]
+            num_blocks, block_size, num_sliding_blocks, graph_shape, chunk_shape = message[1:]
             cache = build_kv_cache(spec, num_blocks, block_size, model.kv_heads, dtype, device, num_sliding_blocks)
             graphs = None if graph_shape is None else DecodeGraphs(model, cache, dtype, device, **graph_shape)
-            runner = StepRunner(model, cache, device, dtype, graphs)
+            chunks = None if chunk_shape is None else ChunkGraphs(model, cache, dtype, device, **chunk_shape)
+            runner = StepRunner(model, cache, device, dtype, graphs, chunks)
+            runner.fails_together = True
             send(conn, DONE)
         elif kind == "stop":
             return

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .forward_batch import ForwardBatch
+from .graph_capture import capture_step, host_tensor
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 
@@ -85,11 +86,7 @@ class DecodeGraphs:
         self.shape = dict(max_batch=max_batch, max_blocks=max_blocks, scratch_block=scratch_block, mrope=mrope)
 
     def _host(self, values, dtype: torch.dtype) -> torch.Tensor:
-        """values (a list or a host tensor) as a host tensor an asynchronous copy may read after
-        this returns: pinned on a GPU (torch's pinned-memory cache keeps the block until the copy
-        has run), plain on the CPU, where copies are immediate."""
-        t = values.to(dtype).contiguous() if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-        return t.pin_memory() if self.device.type == "cuda" else t
+        return host_tensor(values, dtype, self.device)
 
     def bucket(self, batch: int) -> int | None:
         """The smallest captured size holding `batch` rows, or None when it is too large."""
@@ -112,19 +109,8 @@ class DecodeGraphs:
 
     def _capture(self, size: int) -> None:
         t0 = time.perf_counter()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # first calls compile kernels and settle the allocator
-            for _ in range(2):
-                self._step(size)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[size] = self._step(size)
-        self.graphs[size] = graph
-        torch.cuda.synchronize(self.device)
+        self.graphs[size], self.outputs[size], self.pool = capture_step(lambda: self._step(size), self.device,
+                                                                        self.pool)
         self.capture_seconds += time.perf_counter() - t0
 
     def capture_all(self, on_progress=None) -> None:

@@ -21,6 +21,7 @@ from ..spec import ModelSpec
 from .block_pool import BlockPool
 from .constrained import JsonVocabulary, json_answer_for, strict_calls
 from .context_fit import fit_to_context
+from .chunk_graphs import ChunkGraphs
 from .decode_graphs import DecodeGraphs
 from .kv_budget import plan_kv_blocks
 from .kv_cache import build_kv_cache
@@ -51,7 +52,9 @@ class Engine(EngineLoop):
     (default 2048 on a GPU, so their tokens keep coming while a long prompt is read; on the CPU
     max_batch_tokens); max_running caps the sequences decoded together. cuda_graphs (default: on
     for CUDA, on every rank) replays decode steps from captured graphs; each batch-size bucket is
-    captured on first use, or all by `warmup()`.
+    captured on first use, or all by `warmup()`. chunk_graphs (default: as cuda_graphs) does the
+    same for the other steps of up to 256 tokens (a short turn, a prompt's tail beside other
+    chats' tokens), by token-count bucket (chunk_graphs.py).
     decode_ahead (default on, with graphs in one process) launches each decode step before the
     previous one's tokens reach the host, so sampling, streaming and scheduling on the host
     overlap the GPU's next step instead of leaving it idle (not while a running request's tokens
@@ -101,7 +104,8 @@ class Engine(EngineLoop):
                num_sliding_blocks: int | None = None, max_batch_tokens: int | None = None,
                max_batch_tokens_while_decoding: int | None = None, max_running: int = 64,
                kv_headroom_bytes: int | None = None, cuda_graphs: bool | None = None,
-               decode_ahead: bool = True, weights_format: str | None = None) -> None:
+               chunk_graphs: bool | None = None, decode_ahead: bool = True,
+               weights_format: str | None = None) -> None:
         self.spec, self.model, self.formatter = spec, model, formatter
         self.token_names = TokenNames(formatter.tokenizer)  # the engine thread's, for logprob entries
         self.json_vocabulary = JsonVocabulary(formatter.tokenizer, spec.vocab_size, spec.eos_token_ids, device)
@@ -127,24 +131,28 @@ class Engine(EngineLoop):
                               kv_heads=kv_heads, mem_info=self.workers.mem_info if self.workers else None)
         n = plan.num_blocks
         use_graphs = cuda_graphs if cuda_graphs is not None else device.type == "cuda"
+        use_chunks = chunk_graphs if chunk_graphs is not None else use_graphs
         # With graphs, one block beyond the pool: the scratch block that padded rows write to (the
         # sliding group always has one: its placeholder, see kv_cache.py).
-        self.cache = build_kv_cache(spec, n + int(use_graphs), block_size, kv_heads, dtype, device,
+        self.cache = build_kv_cache(spec, n + int(use_graphs or use_chunks), block_size, kv_heads, dtype, device,
                                     plan.num_sliding_blocks)
         self.pool = BlockPool(n)
         self.sliding_pool = BlockPool(plan.num_sliding_blocks) if plan.num_sliding_blocks else None
         self.scheduler = Scheduler(self.pool, block_size, self.max_batch_tokens, max_running, self.sliding_pool,
                                    spec.sliding_window if self.sliding_pool is not None else None,
                                    max_batch_tokens_while_decoding=while_decoding)
-        graphs = None
+        graphs = chunks = None
+        max_blocks, mrope = -(-self.context_limit // block_size), spec.family == "glm4v_moe"
         if use_graphs:
-            graphs = DecodeGraphs(model, self.cache, dtype, device, max_batch=max_running,
-                                  max_blocks=-(-self.context_limit // block_size), scratch_block=n,
-                                  mrope=spec.family == "glm4v_moe")
+            graphs = DecodeGraphs(model, self.cache, dtype, device, max_batch=max_running, max_blocks=max_blocks,
+                                  scratch_block=n, mrope=mrope)
+        if use_chunks:
+            chunks = ChunkGraphs(model, self.cache, dtype, device, max_tokens=while_decoding, max_seqs=max_running,
+                                 max_blocks=max_blocks, scratch_block=n, mrope=mrope)
         if self.workers is not None:  # every rank replays its own graphs; the collectives are inside
-            self.runner = self.workers.step_runner(model, self.cache, device, dtype, graphs)
+            self.runner = self.workers.step_runner(model, self.cache, device, dtype, graphs, chunks)
         else:
-            self.runner = StepRunner(model, self.cache, device, dtype, graphs)
+            self.runner = StepRunner(model, self.cache, device, dtype, graphs, chunks)
         log.info("KV cache: %d blocks of %d tokens%s (%.2f GiB)", n, block_size,
                  f", {plan.num_sliding_blocks} for the sliding-window layers" if self.sliding_pool else "",
                  self.cache.nbytes / 2**30)
@@ -197,8 +205,9 @@ class Engine(EngineLoop):
 
     def warmup(self) -> float:
         """On a GPU: compiles the prefill kernels for the usual prompt-chunk sizes and captures the
-        decode graph of every batch-size bucket now (a server does this before its first request,
-        so no chat waits for either). Returns the seconds it took (0 on the CPU)."""
+        decode graph of every batch-size bucket and the chunk graph of every token-count bucket now
+        (a server does this before its first request, so no chat waits for either). Returns the
+        seconds it took (0 on the CPU)."""
         if self.device.type != "cuda":
             return 0.0
         start, done, failure = time.perf_counter(), threading.Event(), []
@@ -232,7 +241,8 @@ class Engine(EngineLoop):
         layers' pool (all 0 without one)."""
         c = self.runner.counters
         sliding = self.sliding_pool
-        return {"steps": c.steps, "graph_steps": c.graph_steps, "ahead_steps": c.ahead_steps,
+        return {"steps": c.steps, "graph_steps": c.graph_steps, "chunk_graph_steps": c.chunk_graph_steps,
+                "ahead_steps": c.ahead_steps,
                 "computed_tokens": c.computed_tokens, "images_encoded": c.images_encoded,
                 "images_skipped": c.images_skipped, "preemptions": self.scheduler.preemptions,
                 "prefix_hit_tokens": self.scheduler.prefix_hit_tokens, "evictions": self.pool.evictions,

@@ -28,6 +28,9 @@ class ForwardBatch:
         and for host-side planning (never read inside captured graphs).
     sliding_slot_mapping [T], sliding_block_tables [B, max_blocks]: the sliding group's slots and
         tables (None with a one-group cache).
+    captured_query_len: set on the static batch of a captured prefill graph (chunk_graphs.py):
+        the most new tokens any of its sequences may have. The host lists then describe no
+        particular step, so nothing may be planned from them: kernels are sized by this bound.
     """
 
     rope_positions: torch.Tensor
@@ -39,6 +42,7 @@ class ForwardBatch:
     context_lens_host: list[int]
     sliding_slot_mapping: torch.Tensor | None = None
     sliding_block_tables: torch.Tensor | None = None
+    captured_query_len: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -46,7 +50,7 @@ class ForwardBatch:
 
     @property
     def is_decode(self) -> bool:
-        return self.query_start_host[-1] == self.num_seqs
+        return self.captured_query_len is None and self.query_start_host[-1] == self.num_seqs
 
     @classmethod
     def build(cls, seqs: list[tuple[list[int], int, int]], rope_positions: torch.Tensor, block_size: int,

@@ -2,7 +2,8 @@
 and decode tokens mixed) -> logits for the sequences whose last token was fed.
 
 Steps that only decode (one token per sequence, no image features) replay a captured CUDA graph
-when `graphs` is given (decode_graphs.py); the others run eagerly. Images are encoded here, once
+when `graphs` is given (decode_graphs.py); other steps of few tokens replay one of `chunks`
+(chunk_graphs.py); the rest run eagerly. Images are encoded here, once
 per admission, right before the first chunk that needs them; images whose tokens all lie in
 reused prefix blocks are not encoded at all.
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .chunk_graphs import ChunkGraphs
 from .decode_graphs import DecodeGraphs, DecodeInputs
 from .forward_batch import ForwardBatch
 from .kv_cache import PagedKVCache, SplitKVCache, slot_of
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 class StepCounters:
     steps: int = 0
     graph_steps: int = 0  # decode steps replayed from a captured graph
+    chunk_graph_steps: int = 0  # other steps replayed from a captured graph (chunk_graphs.py)
     ahead_steps: int = 0  # of those, steps launched before the previous step's tokens were on the host
     computed_tokens: int = 0  # tokens fed to the model (prefill and decode)
     images_encoded: int = 0
@@ -46,14 +49,19 @@ def _sync(device: torch.device) -> None:
 
 
 class StepRunner:
+    # Whether a failed graph step must fail the step rather than fall back to eager launches: under
+    # tensor parallelism every rank must run the same kernels and collectives.
+    fails_together = False
+
     def __init__(self, model, cache: PagedKVCache | SplitKVCache, device: torch.device, dtype: torch.dtype,
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, chunks: ChunkGraphs | None = None):
         self.model = model
         self.cache = cache
         self.split = cache.sliding is not None
         self.device = device
         self.dtype = dtype
         self.graphs = graphs
+        self.chunks = chunks
         self.vision = model.spec.vision is not None
         self.counters = StepCounters()
 
@@ -162,11 +170,13 @@ class StepRunner:
         return done
 
     def capture_graphs(self) -> float:
-        """Captures every decode graph bucket now; returns the seconds spent capturing so far."""
-        if self.graphs is None:
-            return 0.0
-        self.graphs.capture_all()
-        return self.graphs.capture_seconds
+        """Captures every decode and chunk graph bucket now; returns the seconds spent capturing so far."""
+        seconds = 0.0
+        for graphs in (self.graphs, self.chunks):
+            if graphs is not None:
+                graphs.capture_all()
+                seconds += graphs.capture_seconds
+        return seconds
 
     def run(self, plan: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor | None]:
         """plan: (sequence, tokens to feed) pairs. Returns the sequences to sample from now and
@@ -210,7 +220,14 @@ class StepRunner:
         return inputs, sampling
 
     def execute(self, inputs: "StepInputs") -> torch.Tensor | None:
-        """The device half: embed, forward over the paged cache, logits of `last_rows`."""
+        """The device half: embed, forward over the paged cache, logits of `last_rows`; from a
+        captured chunk graph where one takes the step."""
+        size = self.chunks.bucket(inputs) if self.chunks is not None else None
+        if size is not None:
+            logits = self._replay_chunk(inputs, size)
+            if logits is not None:
+                _sync(self.device)
+                return logits
         token_ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=self.device)
         batch = ForwardBatch.build(inputs.entries, inputs.positions, self.cache.block_size, self.device,
                                    inputs.sliding_tables)
@@ -225,6 +242,21 @@ class StepRunner:
                 rows = torch.tensor(inputs.last_rows, dtype=torch.long, device=self.device)
                 logits = self.model.logits(h.index_select(0, rows))
         _sync(self.device)
+        return logits
+
+    def _replay_chunk(self, inputs: "StepInputs", size: int) -> torch.Tensor | None:
+        """The step's logits from the chunk graph of `size` tokens; None (graphs off from now on)
+        where that failed, so the caller runs it eagerly: the graph writes nothing the eager step
+        does not write again."""
+        try:
+            logits = self.chunks.run(inputs, size)
+        except Exception as e:  # a kernel that cannot be captured must not stop the chat
+            if self.fails_together:
+                raise
+            log.warning("chunk graph failed (%s: %s); running such steps eagerly from now on", type(e).__name__, e)
+            self.chunks = None
+            return None
+        self.counters.chunk_graph_steps += 1
         return logits
 
 
