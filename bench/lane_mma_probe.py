@@ -3,7 +3,7 @@ registers, so that MXFP4 weights are decoded once per expert without the waits a
 staging that the tensor-core attempts paid (bench/NOTES-moe.md, "Per-lane MMA")?
 
 Three kernels, compiled for sm_90 with the installed Triton's ptxas, main loop counted from the SASS
-(helpers of tests/kernels/hopper_compile.py):
+(helpers of tests/kernels/sass_tools.py):
   chain   a [64, 32] e4m3 operand decoded in registers, `acc = tl.dot(a, b, acc)` over K (4 warps):
           whether the warp-group MMAs of one accumulator chain stay in flight;
   e4m3    the warp-level e4m3 MMA (mma.sync m16n8k32) written in PTX from [32]-shaped tensors (one
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from hopper_compile import _types, compile_kernel, disassemble, main_loop, opcode  # noqa: E402
+from sass_tools import _types, compile_kernel, disassemble, main_loop, opcode  # noqa: E402
 
 _E4M3_MMA = tl.constexpr("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
                          "{$8, $9}, {$10, $11, $12, $13};")

@@ -12,8 +12,8 @@ import sys
 from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from hopper_compile import (HALF2, HALF2_DOWN, MMA, PAIRS, PAIRS_DOWN, WORDS, WORDS_DOWN, _tma_types,  # noqa: E402
-                            loads_waited_in_trip, main_loop, opcode, sass)
+from hopper_compile import HALF2, HALF2_DOWN, MMA, PAIRS, PAIRS_DOWN, WORDS, WORDS_DOWN, _tma_types  # noqa: E402
+from sass_tools import loads_waited_in_trip, main_loop, opcode, sass  # noqa: E402
 
 from localchat.kernels.moe_gemv_half2 import moe_down_half2_kernel, moe_gate_up_half2_kernel  # noqa: E402
 from localchat.kernels.moe_gemv_words import moe_down_words_kernel, moe_gate_up_words_kernel  # noqa: E402
