@@ -5,7 +5,7 @@ off and on in turns:
 - the same prompt arriving while `--answering` chats decode: its first token, and the longest gap
   between the answering chats' tokens meanwhile (the steps that carry both are the mixed ones).
 
-    python bench/bench_chunk_graphs.py MODEL [--layers N] [--prompts 16,64,128,240] [--answering 8] [--reps 5]
+    python bench/bench_chunk_graphs.py MODEL [--layers N] [--prompts 16,64,128,240] [--answering 8] [--reps 3]
 
 Medians over --reps requests of each kind; each prompt is new (nothing from the prefix cache).
 """
@@ -29,7 +29,8 @@ def beside_answers(engine, n: int, answering: int, reps: int) -> tuple[float, fl
     """(median TTFT of an n-token prompt arriving while `answering` chats decode, the longest gap
     between one answering chat's tokens meanwhile)."""
     ttfts, gaps = [], []
-    streams = [iter(engine.submit(_request(400, TextPart("tokens:64")))) for _ in range(answering)]
+    chats = [engine.submit(_request(400, TextPart("tokens:64"))) for _ in range(answering)]
+    streams = [iter(c) for c in chats]
     for _ in range(10):  # every answering chat is decoding
         for s in streams:
             next(s)
@@ -45,6 +46,8 @@ def beside_answers(engine, n: int, answering: int, reps: int) -> tuple[float, fl
         ttft = _finals([new])[0].timings.ttft
         ttfts.append(ttft)
         gaps.append(max(b - a for a, b in zip(stamps, stamps[1:])))
+    for chat in chats:  # ends them now (an abort), rather than after all their tokens
+        chat.close()
     for s in streams:
         for _ in s:
             pass
@@ -57,7 +60,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--prompts", default="16,64,128,240", help="prompt lengths (tokens before the template's)")
     p.add_argument("--answering", type=int, default=8)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
     spec, weights, model = dummy_model(args.model, args.layers)
     engine = make_engine(spec, model, weight_bytes(weights), 512, 400, args.answering + 1, 0, None)

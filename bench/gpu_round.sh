@@ -27,7 +27,9 @@
 # engine's switch on a long prompt, then against the paged kernel and SDPA over 0-30K cached keys,
 # bench/bench_prefill_attention.py --cudnn, and what a new shape's first call costs, bench/cudnn_shape_probe.py),
 # chunk (a long prompt's time to first token at 2048-, 4096- and 8192-token steps, `localchat bench --chunk`, and
-# beside a running answer, bench/bench_prefill_beside_decodes.py).
+# beside a running answer, bench/bench_prefill_beside_decodes.py), chunk-graphs (steps of up to 256 tokens from
+# captured graphs: their GPU test, then short prompts' time to first token alone and beside 8 answering chats,
+# graphs off and on, bench/bench_chunk_graphs.py).
 # Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
@@ -108,4 +110,8 @@ for chunk in 2048 4096 8192; do for len in 8192 16384; do
 done; done
 # the same chunks beside a running answer: its token gaps while a 16K-token prompt is read, and that prompt's TTFT
 step chunk && timeout "${CHUNK_S:-240}" python3 bench/bench_prefill_beside_decodes.py gpt-oss-120b 2>&1 | tee -a "$OUT/chunk.log" | grep beside
+# chunk-graphs: steps of up to 256 tokens replayed from captured graphs against eager steps
+step chunk-graphs && timeout "${CHUNK_GRAPHS_TESTS_S:-120}" python3 -m pytest -m gpu tests/gpu/test_chunk_graphs_cuda.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/chunk_graphs_gpu.log" | grep -E "vs eager|passed|failed"
+step chunk-graphs && timeout "${CHUNK_GRAPHS_S:-150}" python3 bench/bench_chunk_graphs.py gpt-oss-120b 2>&1 | tee "$OUT/chunk_graphs.log"
+step chunk-graphs && timeout "${CHUNK_GRAPHS_S:-150}" python3 bench/bench_chunk_graphs.py glm-4.5v-fp8 $CHUNK_GLM_LAYERS 2>&1 | tee -a "$OUT/chunk_graphs.log"
 exit 0

@@ -15,7 +15,12 @@ pytestmark = pytest.mark.gpu
 
 # (tokens cached, new tokens) of four sequences over four steps: a prefill padded from 227 tokens
 # to the 256 bucket, mixed steps filling the 64 and 16 buckets exactly (the kernels of the eager
-# step, no padding), and one padded from 107 to 128.
+# step, no padding), and one padded from 107 to 112.
+# Bound on a padded step's logits against the eager step's: the kernels choose by the bucket's
+# token count, not the step's, and GLM-4.5V's FP8 experts take e4m3 activations from some size
+# on (about 4.6e-2 from bf16 ones, bench/NOTES-moe.md); measured on an H100: 0 for gpt-oss-120b,
+# 3.0e-2 for GLM-4.5V-FP8 at 227 -> 256 tokens. A padding row leaking into a real one is O(1).
+PADDED_TOLERANCE = {"gpt-oss-120b.json": 2e-2, "glm-4.5v-fp8.json": 8e-2}
 STEPS = [[(0, 100), (0, 37), (0, 90)],
          [(100, 1), (37, 1), (90, 60), (0, 2)],
          [(101, 1), (38, 1), (150, 1), (2, 13)],
@@ -58,8 +63,8 @@ def test_chunk_graph_replay_matches_eager_steps(config):
                         eager.cache.full.k[:, :64].float() if sliding else eager.cache.k[:, :64].float())
     print(f"{config}: chunk graphs vs eager, logits rel err {[f'{e:.1e}' for e in errors]}, argmax {agree}/{rows}, "
           f"keys rel err {cache_err:.1e}; captured {sorted(chunks.graphs)} in {chunks.capture_seconds:.1f} s")
-    assert sorted(chunks.graphs) == [16, 64, 128, 256] and chunks.replays == 4
+    assert sorted(chunks.graphs) == [16, 64, 112, 256] and chunks.replays == 4
     assert replayed.counters.chunk_graph_steps == 4
     assert errors[1] < 1e-3 and errors[2] < 1e-3  # same size, same kernels
-    assert max(errors) < 2e-2 and agree >= rows - 1
+    assert max(errors) < PADDED_TOLERANCE[config] and agree >= rows - 1
     assert cache_err < 1e-2

@@ -15,8 +15,8 @@ BLOCK = 4
 
 
 def test_bucket_sizes():
-    assert bucket_sizes(2048) == [16, 32, 64, 128, 256]
-    assert bucket_sizes(100) == [16, 32, 64]
+    assert bucket_sizes(2048) == [16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+    assert bucket_sizes(100) == [16, 32, 48, 64, 80, 96]
     assert bucket_sizes(8) == []
 
 
@@ -59,13 +59,13 @@ def test_padded_chunk_steps_give_the_eager_logits_and_cache(family, request):
     tables = [list(range(i * 10, i * 10 + 10)) for i in range(4)]
     sliding = [list(range(i * 10, i * 10 + 10)) for i in range(4)] if split else None
     # A prefill of three sequences (odd lengths across blocks), then a mixed step of two decode
-    # tokens and a chunk after a cached prefix, then four sequences at once: buckets 16, 32, 64.
+    # tokens and a chunk after a cached prefix, then four sequences at once: buckets 16, 32, 48.
     rounds = [[(0, 5), (0, 9), (0, 2)], [(5, 1), (9, 1), (2, 20)], [(6, 3), (10, 20), (22, 17), (0, 7)]]
     for i, steps in enumerate(rounds):
         n = len(steps)
         inputs = _inputs(tiny, steps, tables[:n], sliding[:n] if split else None, seed=i)
         size = graphs.chunks.bucket(inputs)
-        assert size == (16, 32, 64)[i]
+        assert size == (16, 32, 48)[i]
         want = eager.execute(inputs)
         got = graphs.execute(inputs)
         assert got.shape == want.shape == (n, tiny.spec.vocab_size)
