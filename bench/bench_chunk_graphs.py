@@ -6,6 +6,7 @@ off and on in turns:
   between the answering chats' tokens meanwhile (the steps that carry both are the mixed ones).
 
     python bench/bench_chunk_graphs.py MODEL [--layers N] [--prompts 16,64,128,240] [--answering 8] [--reps 3]
+        [--fp8-act-min-pairs P]
 
 Medians over --reps requests of each kind; each prompt is new (nothing from the prefix cache).
 """
@@ -18,6 +19,7 @@ import time
 from localchat.app.bench import _finals, _request, dummy_model, make_engine
 from localchat.engine.runtime.request import Final, TextPart
 from localchat.engine.weights.loader import weight_bytes
+from localchat.kernels import moe_config
 
 
 def ttft_alone(engine, n: int, reps: int) -> float:
@@ -61,7 +63,11 @@ def main() -> None:
     p.add_argument("--prompts", default="16,64,128,240", help="prompt lengths (tokens before the template's)")
     p.add_argument("--answering", type=int, default=8)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--fp8-act-min-pairs", type=int, default=None,
+                   help="pairs an expert from which FP8 experts take e4m3 activations (kernels/moe_config.py)")
     args = p.parse_args()
+    if args.fp8_act_min_pairs is not None:
+        moe_config.FP8_ACT_MIN_PAIRS = args.fp8_act_min_pairs
     spec, weights, model = dummy_model(args.model, args.layers)
     engine = make_engine(spec, model, weight_bytes(weights), 512, 400, args.answering + 1, 0, None)
     seconds = engine.warmup()

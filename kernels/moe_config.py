@@ -146,6 +146,10 @@ SHARED_MEMORY_MARGIN = 2 * 1024
 MXFP4_DOWN_REGISTERS = 160
 
 
+# Pairs an expert from which FP8 experts take e4m3 activations (the reasons at its use below).
+FP8_ACT_MIN_PAIRS = 16
+
+
 def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2,
                    bf16: bool = True, tma: bool = False, arch: GpuArch = MEASURED_ARCH) -> MoeConfig:
     """Tile sizes by the expected pairs per expert (uniform routing). Each choice below is the
@@ -255,8 +259,10 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
     # place (1124 -> 1189 before), block scales 1165 -> 967; at 64 tokens 960 -> 818 / 898 -> 898,
     # mixed. At 8 and 12 pairs an expert the kernels are 10-15% shorter with e4m3 activations too,
     # but an eager prefill that size waits on the host's launches (bench/profile_step.py --wall),
-    # which the two quantisation launches would lengthen, so they start at 16.
-    fp8_act = fmt in (FMT_FP8_ROW, FMT_FP8_BLK) and arch.fp8 and per_expert >= 16
+    # which the two quantisation launches would lengthen, so they start at 16. Steps of up to 256
+    # tokens now replay chunk graphs, where launches cost no host time: whether 8 pays there is
+    # `bench/bench_chunk_graphs.py glm-4.5v-fp8 --prompts 128,240 --fp8-act-min-pairs 8` against 16.
+    fp8_act = fmt in (FMT_FP8_ROW, FMT_FP8_BLK) and arch.fp8 and per_expert >= FP8_ACT_MIN_PAIRS
     # Pipelined tiles must fit in shared memory (227 KiB a program on Hopper, 99 KiB on Ada and
     # consumer Blackwell): fewer stages for wide (fp32) operands or a smaller GPU. Where the
     # tensor cores read both operands from shared memory (Hopper's wgmma) every stage has a
