@@ -6,7 +6,10 @@ SDPA on the same keys laid out contiguously (causal from the first key, so the f
 it has no sinks) is the baseline. --cudnn also times cuDNN's fused attention on keys gathered out of
 the pages, in two parts, prefix and chunk, gathers and merge included (kernels/attention_cudnn.py),
 and with no prefix also on the chunk's own keys where the engine has them (no gather).
---chunks sets the queries (several: each timed over every prefix).
+--chunks sets the queries (several: each timed over every prefix). --short N,... also times the
+short-chunk kernel (kernels/attention_short.py: query heads packed into a tile's rows, the keys split
+N ways), for a few queries after long prefixes:
+    python bench/bench_prefill_attention.py --tiles "" --chunks 1,16,64 --prefixes 8192,30720 --short 4,8,16,32
 TFLOP/s count the causal half: 4 x queries x mean keys x heads x dim.
     python bench/bench_prefill_attention.py [--before FILE] [--tiles 64:64:4:2,128:64:8:2,...] [--cudnn]
     python bench/bench_prefill_attention.py --tiles "" --cudnn --chunks 256,1024,2048 --prefixes 0,2048,4096
@@ -27,6 +30,7 @@ from kernel_checks import eager_time_ms, paged_cache, rel_err  # noqa: E402
 from localchat.kernels.attention_cudnn import cudnn_prefill_attention  # noqa: E402
 from localchat.kernels.attention_decode import gather_paged  # noqa: E402
 from localchat.kernels.attention_prefill import paged_prefill_attention  # noqa: E402
+from localchat.kernels.attention_short import short_prefill_attention  # noqa: E402
 
 CASES = [("GLM-4.5V", 96, 8, 128, False, None), ("gpt-oss", 64, 8, 64, True, None),
          ("gpt-oss sliding", 64, 8, 64, True, 128)]
@@ -39,6 +43,7 @@ def main() -> None:
     p.add_argument("--chunks", default="2048")
     p.add_argument("--prefixes", default="0,6144,30720")
     p.add_argument("--cudnn", action="store_true", help="also time cuDNN's attention on gathered keys (prefix, then chunk)")
+    p.add_argument("--short", default="", help="split counts of the short-chunk kernel to time too")
     args = p.parse_args()
     forms = []
     if args.before:
@@ -51,6 +56,9 @@ def main() -> None:
         bm, bn, w, s = (int(v) for v in t.split(":"))
         forms.append((f"{bm}x{bn} w{w} s{s}", lambda *a, bm=bm, bn=bn, w=w, s=s: paged_prefill_attention(
             *a, block_m=bm, block_n=bn, num_warps=w, num_stages=s)))
+    for n in (int(v) for v in filter(None, args.short.split(","))):
+        forms.append((f"short-chunk kernel, {n} splits",
+                      lambda *a, n=n: short_prefill_attention(*a, num_splits=n)))
     cases = [(c, int(chunk), prefix) for c in CASES for chunk in args.chunks.split(",")
              for prefix in (int(v) for v in args.prefixes.split(","))]
     for (name, hq, hkv, d, sinks, window), chunk, prefix in cases:

@@ -29,7 +29,8 @@
 # chunk (a long prompt's time to first token at 2048-, 4096- and 8192-token steps, `localchat bench --chunk`, and
 # beside a running answer, bench/bench_prefill_beside_decodes.py), chunk-graphs (steps of up to 256 tokens from
 # captured graphs: their GPU test, then short prompts' time to first token alone and beside 8 answering chats,
-# graphs off and on, bench/bench_chunk_graphs.py).
+# graphs off and on, bench/bench_chunk_graphs.py), short-prefill (the short-chunk prefill kernel,
+# kernels/attention_short.py: its GPU test, then against the paged kernel at 1-64 queries after 8K-30K keys).
 # Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
@@ -114,4 +115,7 @@ step chunk && timeout "${CHUNK_S:-240}" python3 bench/bench_prefill_beside_decod
 step chunk-graphs && timeout "${CHUNK_GRAPHS_TESTS_S:-120}" python3 -m pytest -m gpu tests/gpu/test_chunk_graphs_cuda.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/chunk_graphs_gpu.log" | grep -E "vs eager|passed|failed"
 step chunk-graphs && timeout "${CHUNK_GRAPHS_S:-150}" python3 bench/bench_chunk_graphs.py gpt-oss-120b 2>&1 | tee "$OUT/chunk_graphs.log"
 step chunk-graphs && timeout "${CHUNK_GRAPHS_S:-150}" python3 bench/bench_chunk_graphs.py glm-4.5v-fp8 $CHUNK_GLM_LAYERS 2>&1 | tee -a "$OUT/chunk_graphs.log"
+# short-prefill: a few queries after long contexts, the packed short-chunk kernel against the paged one
+step short-prefill && timeout "${SHORT_TESTS_S:-150}" python3 -m pytest -m gpu tests/kernels/test_attention_short.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/short_prefill_gpu.log" | grep -E "short prefill|passed|failed"
+step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_prefill_attention.py --tiles "" --chunks 1,16,64 --prefixes 8192,30720 --short 4,8,16,32 2>&1 | tee "$OUT/short_prefill.log"
 exit 0

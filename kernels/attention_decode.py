@@ -80,6 +80,20 @@ def _attend_tile(q, k, v, j_mask, m, l, acc):
 
 
 @triton.jit
+def _finish_rows(m, l, acc, sinks_ptr, heads, mask, HAS_SINKS: tl.constexpr):
+    """Rows whose sums cover every key: running max m, sum l [R] and acc [R, D] (log2 domain) ->
+    the attention output [R, D] float32, each head's sink (heads [R]; rows off mask read none)
+    added to the denominator."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m, sink)
+        alpha = tl.exp2(m - m_all)
+        l = l * alpha + tl.exp2(sink - m_all)
+        acc = acc * alpha[:, None]
+    return acc / l[:, None]
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, mid_ml_ptr, sinks_ptr, out_ptr,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                          stride_tb, stride_ob, stride_oh, qk_scale, window, block_size, HQ,
@@ -154,13 +168,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
         m, l, acc = _attend_tile(q, k, v, j0 + tl.arange(0, BLOCK_N) < loop_end, m, l, acc)
 
     if NUM_SPLITS == 1:  # the whole key range: finish as the combine would
-        if HAS_SINKS:
-            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
-            m_all = tl.maximum(m, sink)
-            alpha = tl.exp2(m - m_all)
-            l = l * alpha + tl.exp2(sink - m_all)
-            acc = acc * alpha[:, None]
-        out = acc / l[:, None]
+        out = _finish_rows(m, l, acc, sinks_ptr, heads, g_mask, HAS_SINKS)
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=g_mask[:, None])
     else:

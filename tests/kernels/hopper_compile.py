@@ -13,6 +13,7 @@ from triton.backends.compiler import GPUTarget
 
 from localchat.kernels.attention_decode import _decode_split_kernel
 from localchat.kernels.attention_prefill import _prefill_kernel
+from localchat.kernels.attention_short import _short_prefill_kernel
 from localchat.kernels.fp8_linear import (_fp8_linear_kernel, _quant_groups_kernel, _quant_rows_kernel,
                                          _sum_splits_kernel)
 from localchat.kernels.glu import _silu_mul_kernel
@@ -81,6 +82,9 @@ MMA_KERNELS = (moe_gate_up_mma_kernel, moe_down_mma_kernel)
 
 PREFILL_ATTENTION = _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "sinks_ptr")}
                            | {"tables_ptr": "*i32", "lens_ptr": "*i32", "cu_ptr": "*i32", "qk_scale": "fp32"})
+
+SHORT_PREFILL = _types({**{n: PREFILL_ATTENTION(n) for n in _prefill_kernel.arg_names},
+                       "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32"})
 
 CASES = []
 for prefetch in (False, True):
@@ -180,6 +184,11 @@ CASES += [
      dict(G=12, D=128, BLOCK_M=128, BLOCK_N=128, HAS_SINKS=False, HAS_WINDOW=False), 8, 2),
     ("prefill attention, gpt-oss, 128x64 tiles", _prefill_kernel, PREFILL_ATTENTION,
      dict(G=8, D=64, BLOCK_M=128, BLOCK_N=64, HAS_SINKS=True, HAS_WINDOW=False), 8, 3),
+    # short chunks after long contexts: query heads packed into the rows, keys split (and one split)
+    ("short-chunk prefill attention, GLM-4.5V, 8 splits", _short_prefill_kernel, SHORT_PREFILL,
+     dict(G=12, D=128, BLOCK_M=64, BLOCK_N=64, NUM_SPLITS=8, HAS_WINDOW=False, HAS_SINKS=False), 4, 2),
+    ("short-chunk prefill attention, gpt-oss, one split", _short_prefill_kernel, SHORT_PREFILL,
+     dict(G=8, D=64, BLOCK_M=64, BLOCK_N=64, NUM_SPLITS=1, HAS_WINDOW=True, HAS_SINKS=True), 4, 2),
     ("FP8 activations per token and 128 columns", _quant_groups_kernel,
      _types({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}), dict(BLOCK_G=8), 4, 1),
     ("FP8 activations per token", _quant_rows_kernel,

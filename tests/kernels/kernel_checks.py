@@ -100,6 +100,22 @@ def paged_cache(lens, hkv, d, block_size, dtype, spare_blocks=3):
     return k, v, tables.to(torch.int32).contiguous(), torch.tensor(lens, dtype=torch.int32, device=DEV)
 
 
+# (sinks, window) of the prefill attention tests: neither, gpt-oss's sinks with and without a
+# window, a window alone
+PREFILL_MASKS = [(False, None), (True, None), (True, 7), (False, 12)]
+
+
+def prefill_case(ctx_lens, q_lens, hkv, group, d, block_size, dtype, sinks: bool, window):
+    """The arguments of a paged prefill attention call (q, caches, tables, context lens, query
+    starts, longest chunk, scale, sinks, window): each sequence's last q_lens[i] of ctx_lens[i]
+    tokens are its queries, hkv * group query heads of d."""
+    k, v, tables, ctx = paged_cache(ctx_lens, hkv, d, block_size, dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(q_lens), hkv * group, d, device=DEV).to(dtype)
+    s = torch.randn(hkv * group, device=DEV) if sinks else None
+    return q, k, v, tables, ctx, cu, max(q_lens), d ** -0.5, s, window
+
+
 def random_glm_weights(fmt: str, e: int, i: int, h: int, *, dtype=torch.float32, block=(128, 128), device=DEV):
     """GLM-shaped expert stacks [gate, up] [E, I, H] and down [E, H, I] with random weights in
     `fmt`: "dense" (in dtype), "fp8_channel", or "fp8_block" (scales on `block`)."""

@@ -2,25 +2,19 @@
 import pytest
 import torch
 
-from kernel_checks import TOL, cuda_time_us, paged_cache, rel_err
+from kernel_checks import PREFILL_MASKS, TOL, cuda_time_us, paged_cache, prefill_case, rel_err
 from localchat.kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("sinks,window", [(False, None), (True, None), (True, 7), (False, 12)])
+@pytest.mark.parametrize("sinks,window", PREFILL_MASKS)
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
 def test_prefill_matches_reference(dtype, sinks, window, block_m, block_n):
     # cached prefix of 16; no prefix; a single token; a prefix of 61 (key tiles before each
     # query tile that need no causal mask, and one that does)
-    ctx_lens, q_lens = [37, 20, 5, 100], [21, 20, 1, 39]
-    hkv, group, d, block_size = 2, 2, 32, 8
-    k, v, tables, ctx = paged_cache(ctx_lens, hkv, d, block_size, dtype)
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
-    q = torch.randn(sum(q_lens), hkv * group, d, device=DEV).to(dtype)
-    s = torch.randn(hkv * group, device=DEV) if sinks else None
-    args = (q, k, v, tables, ctx, cu, max(q_lens), d ** -0.5, s, window)
+    args = prefill_case([37, 20, 5, 100], [21, 20, 1, 39], 2, 2, 32, 8, dtype, sinks, window)
     out = paged_prefill_attention(*args, block_m=block_m, block_n=block_n)
     assert rel_err(out, paged_prefill_attention_ref(*args)) < TOL[dtype]
 

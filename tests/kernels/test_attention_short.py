@@ -1,0 +1,39 @@
+"""Short-chunk prefill attention (query heads packed into a tile's rows, keys split over programs)
+against the gathered float32 reference of the paged prefill."""
+import pytest
+import torch
+
+from kernel_checks import PREFILL_MASKS, TOL, cuda_time_us, paged_cache, prefill_case, rel_err
+from localchat.kernels.attention_prefill import paged_prefill_attention
+from localchat.kernels.attention_short import short_prefill_attention, short_prefill_attention_ref
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("sinks,window", PREFILL_MASKS)
+@pytest.mark.parametrize("num_splits,block_m", [(1, 16), (3, 16), (4, 32)])
+def test_short_prefill_matches_reference(dtype, sinks, window, num_splits, block_m):
+    # chunks of 3, 1, 6 and 5 queries after prefixes of 34, 19, 0 and 125 keys (pages of 8, 4 heads
+    # a KV head, a chunk's rows spanning two row tiles of 16, splits with no key at all)
+    args = prefill_case([37, 20, 6, 130], [3, 1, 6, 5], 2, 4, 32, 8, dtype, sinks, window)
+    out = short_prefill_attention(*args, num_splits=num_splits, block_m=block_m, block_n=16)
+    assert rel_err(out, short_prefill_attention_ref(*args)) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d,sinks", [(64, 8, 64, True), (96, 8, 128, False)])
+@pytest.mark.parametrize("chunk,prefix", [(1, 8192), (16, 8192), (20, 30720), (64, 8192)])
+def test_short_prefill_gpu(hq, hkv, d, sinks, chunk, prefix):
+    k, v, tables, ctx = paged_cache([prefix + chunk], hkv, d, 16, torch.bfloat16)
+    cu = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
+    q = torch.randn(chunk, hq, d, device="cuda", dtype=torch.bfloat16)
+    s = torch.randn(hq, device="cuda") if sinks else None
+    args = (q, k, v, tables, ctx, cu, chunk, d ** -0.5, s, None)
+    assert rel_err(short_prefill_attention(*args), short_prefill_attention_ref(*args)) < TOL[torch.bfloat16]
+    splits = {n: cuda_time_us(lambda n=n: short_prefill_attention(*args, num_splits=n), iters=10)
+              for n in (4, 8, 16, 32)}
+    paged = cuda_time_us(lambda: paged_prefill_attention(*args), iters=10)
+    best = min(splits, key=splits.get)
+    print(f"\nshort prefill hq={hq} d={d}, {chunk} queries after {prefix} keys: paged kernel {paged:.0f} us, "
+          f"packed {', '.join(f'{n} splits {t:.0f}' for n, t in splits.items())} us (best {paged / splits[best]:.1f}x)")
