@@ -26,12 +26,11 @@ the eager step.
 from __future__ import annotations
 
 import bisect
-import time
 
 import torch
 
 from .forward_batch import ForwardBatch
-from .graph_capture import capture_step, host_tensor
+from .graph_capture import StepGraphs
 from .kv_cache import slot_of
 
 # Token counts captured: a short turn fits the first ones, a mixed step of a few dozen decoding
@@ -47,7 +46,7 @@ def bucket_sizes(max_tokens: int) -> list[int]:
     return [t for t in BUCKETS if t <= max_tokens]
 
 
-class ChunkGraphs:
+class ChunkGraphs(StepGraphs):
     """model: has embed(ids), forward(h, batch, cache) and logits(h) -> [T, V] float32.
     cache: the PagedKVCache or SplitKVCache; scratch_block: a block id of its full group outside
     the block pool (the sliding group's padding goes to its placeholder block).
@@ -57,11 +56,11 @@ class ChunkGraphs:
 
     def __init__(self, model, cache, dtype: torch.dtype, device: torch.device, *, max_tokens: int, max_seqs: int,
                  max_blocks: int, scratch_block: int, mrope: bool, capture: bool | None = None):
-        self.model, self.cache, self.dtype, self.device = model, cache, dtype, device
+        super().__init__(device, capture)
+        self.model, self.cache, self.dtype = model, cache, dtype
         bs = cache.block_size
         self.sizes = [t for t in bucket_sizes(max_tokens) if -(-t // bs) <= max_blocks]
         self.max_seqs, self.max_blocks, self.scratch_block = max_seqs, max_blocks, scratch_block
-        self.capture = device.type == "cuda" if capture is None else capture
         tokens = self.sizes[-1] if self.sizes else 0
         slots = min(tokens, max_seqs) + 1
         self.token_ids = torch.zeros(tokens, dtype=torch.long, device=device)
@@ -77,11 +76,6 @@ class ChunkGraphs:
             self.sliding_scratch = cache.placeholder
             self.sliding_slots = torch.zeros(tokens, dtype=torch.int64, device=device)
             self.sliding_tables = torch.full((slots, max_blocks), cache.placeholder, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
-        self.capture_seconds = 0.0
-        self.replays = 0
         # What another process needs to build the same graphs over its own model and cache.
         self.shape = dict(max_tokens=max_tokens, max_seqs=max_seqs, max_blocks=max_blocks,
                           scratch_block=scratch_block, mrope=mrope)
@@ -122,9 +116,6 @@ class ChunkGraphs:
         h = self.model.forward(h, self._batch(size), self.cache)
         return self.model.logits(h.index_select(0, self.last_rows[:self._seqs(size)]))
 
-    def _host(self, values, dtype: torch.dtype) -> torch.Tensor:
-        return host_tensor(values, dtype, self.device)
-
     def _load(self, size: int, token_ids: list[int], entries: list[tuple[list[int], int, int]],
               positions: torch.Tensor | None, last_rows: list[int], sliding_tables: list[list[int]] | None) -> None:
         """Copies one step into the static buffers of bucket `size`, the padding sequence after it."""
@@ -159,12 +150,6 @@ class ChunkGraphs:
             # the empty slots and the padding sequence read the scratch block only
             table_buf[b:seqs + 1, :pad_blocks].fill_(scratch)
 
-    def _capture(self, size: int) -> None:
-        t0 = time.perf_counter()
-        self.graphs[size], self.outputs[size], self.pool = capture_step(lambda: self._step(size), self.device,
-                                                                        self.pool)
-        self.capture_seconds += time.perf_counter() - t0
-
     def capture_all(self) -> None:
         """Captures every bucket, largest first so the smaller graphs reuse its memory pool; the
         captures run a step of padding only."""
@@ -180,12 +165,4 @@ class ChunkGraphs:
         """One step (StepInputs that bucket() gave `size`) -> float32 logits [len(last_rows), V]
         of its last_rows (a view that the next run overwrites)."""
         self._load(size, inputs.token_ids, inputs.entries, inputs.positions, inputs.last_rows, inputs.sliding_tables)
-        n = len(inputs.last_rows)
-        with torch.inference_mode():
-            if not self.capture:
-                return self._step(size)[:n]
-            if size not in self.graphs:
-                self._capture(size)
-        self.graphs[size].replay()
-        self.replays += 1
-        return self.outputs[size][:n]
+        return self._run_loaded(size, len(inputs.last_rows))

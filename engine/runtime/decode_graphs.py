@@ -19,13 +19,12 @@ bucketing give the same tokens as the plain path.
 from __future__ import annotations
 
 import bisect
-import time
 from typing import NamedTuple
 
 import torch
 
 from .forward_batch import ForwardBatch
-from .graph_capture import capture_step, host_tensor
+from .graph_capture import StepGraphs
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 
@@ -51,7 +50,7 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-class DecodeGraphs:
+class DecodeGraphs(StepGraphs):
     """model: has embed(ids) and forward(h, batch, cache) and logits(h) -> [T, V] float32.
     cache: the PagedKVCache or SplitKVCache; scratch_block: a block id of its (full) group outside
     the block pool.
@@ -59,11 +58,11 @@ class DecodeGraphs:
 
     def __init__(self, model, cache, dtype: torch.dtype, device: torch.device, *, max_batch: int,
                  max_blocks: int, scratch_block: int, mrope: bool, capture: bool | None = None):
-        self.model, self.cache, self.dtype, self.device = model, cache, dtype, device
+        super().__init__(device, capture)
+        self.model, self.cache, self.dtype = model, cache, dtype
         self.sizes = bucket_sizes(max_batch)
         self.max_batch, self.max_blocks = self.sizes[-1], max_blocks
         self.scratch_block = scratch_block
-        self.capture = device.type == "cuda" if capture is None else capture
         n = self.max_batch
         self.token_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros((3, n) if mrope else (n,), dtype=torch.long, device=device)
@@ -77,16 +76,8 @@ class DecodeGraphs:
                                             device=device)
             self.sliding_tables = torch.full((n, max_blocks), cache.placeholder, dtype=torch.int32, device=device)
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
-        self.capture_seconds = 0.0
-        self.replays = 0
         # What another process needs to build the same graphs over its own model and cache.
         self.shape = dict(max_batch=max_batch, max_blocks=max_blocks, scratch_block=scratch_block, mrope=mrope)
-
-    def _host(self, values, dtype: torch.dtype) -> torch.Tensor:
-        return host_tensor(values, dtype, self.device)
 
     def bucket(self, batch: int) -> int | None:
         """The smallest captured size holding `batch` rows, or None when it is too large."""
@@ -106,12 +97,6 @@ class DecodeGraphs:
         h = self.model.embed(self.token_ids[:size]).to(self.dtype)
         h = self.model.forward(h, self._batch(size), self.cache)
         return self.model.logits(h)
-
-    def _capture(self, size: int) -> None:
-        t0 = time.perf_counter()
-        self.graphs[size], self.outputs[size], self.pool = capture_step(lambda: self._step(size), self.device,
-                                                                        self.pool)
-        self.capture_seconds += time.perf_counter() - t0
 
     def capture_all(self, on_progress=None) -> None:
         """Captures every bucket, largest first so the smaller graphs reuse its memory pool."""
@@ -157,15 +142,7 @@ class DecodeGraphs:
         if sliding_tables is not None:
             _load_group(host, self.sliding_slots, self.sliding_tables, self.sliding_scratch, bs, sliding_slots,
                         sliding_tables, size, width)
-        if not self.capture:
-            with torch.inference_mode():
-                return self._step(size)[:b]
-        if size not in self.graphs:
-            with torch.inference_mode():
-                self._capture(size)
-        self.graphs[size].replay()
-        self.replays += 1
-        return self.outputs[size][:b]
+        return self._run_loaded(size, b)
 
 
 def _load_group(host, slot_buf: torch.Tensor, table_buf: torch.Tensor, scratch_block: int, block_size: int,

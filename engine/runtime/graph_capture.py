@@ -1,6 +1,9 @@
 """What the captured-graph paths share (decode_graphs.py, chunk_graphs.py): capturing one step,
-and host tensors that asynchronous copies into their static buffers may read."""
+host tensors that asynchronous copies into their static buffers may read, and the bookkeeping of
+one graph per bucket (StepGraphs)."""
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -30,3 +33,42 @@ def host_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     the copy has run), plain for the CPU, where copies are immediate."""
     t = values.to(dtype).contiguous() if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     return t.pin_memory() if device.type == "cuda" else t
+
+
+class StepGraphs:
+    """One captured graph per bucket size over static buffers a subclass fills; the subclass
+    defines _step(size), the step of a bucket read from those buffers. capture (default: on a
+    GPU) False runs the same buffers eagerly, as tests on the CPU do."""
+
+    def __init__(self, device: torch.device, capture: bool | None):
+        self.device = device
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    def _step(self, size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _host(self, values, dtype: torch.dtype) -> torch.Tensor:
+        return host_tensor(values, dtype, self.device)
+
+    def _capture(self, size: int) -> None:
+        t0 = time.perf_counter()
+        self.graphs[size], self.outputs[size], self.pool = capture_step(lambda: self._step(size), self.device,
+                                                                        self.pool)
+        self.capture_seconds += time.perf_counter() - t0
+
+    def _run_loaded(self, size: int, rows: int) -> torch.Tensor:
+        """The first `rows` rows of the step now in the buffers of bucket `size`: from its graph
+        (captured first if new; a view the next run overwrites), or eagerly without capture."""
+        with torch.inference_mode():
+            if not self.capture:
+                return self._step(size)[:rows]
+            if size not in self.graphs:
+                self._capture(size)
+        self.graphs[size].replay()
+        self.replays += 1
+        return self.outputs[size][:rows]
