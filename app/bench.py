@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -108,6 +109,35 @@ def _finals(streams) -> list[Final]:
     return out
 
 
+def first_token_beside_answers(engine, new_request, answering_request, answering: int,
+                               reps: int) -> tuple[float, float]:
+    """(median time to the first token of new_request() arriving while `answering` chats of
+    answering_request() decode, the longest gap between one answering chat's tokens meanwhile)."""
+    ttfts, gaps = [], []
+    chats = [engine.submit(answering_request()) for _ in range(answering)]
+    streams = [iter(c) for c in chats]
+    for _ in range(10):  # every answering chat is decoding
+        for s in streams:
+            next(s)
+    for _ in range(reps):
+        start = time.perf_counter()
+        new = engine.submit(new_request())
+        stamps = [start]
+        while not new.items.qsize():  # until the new request's first token
+            item = next(streams[0])
+            stamps.append(time.perf_counter())
+            if isinstance(item, Final):
+                raise RuntimeError("an answering chat ended: raise its max_tokens")
+        ttfts.append(_finals([new])[0].timings.ttft)
+        gaps.append(max(b - a for a, b in zip(stamps, stamps[1:])))
+    for chat in chats:  # ends them now (an abort), rather than after all their tokens
+        chat.close()
+    for s in streams:
+        for _ in s:
+            pass
+    return statistics.median(ttfts), statistics.median(gaps)
+
+
 def graph_replay_ms(engine, batch: int, replays: int = 20) -> float:
     """Median time of one replay of the captured decode graph of `batch`'s bucket (GPU only,
     no host work); the inputs left from the last real step are valid. A lower bound where the
@@ -129,14 +159,15 @@ def graph_replay_ms(engine, batch: int, replays: int = 20) -> float:
 
 
 def make_engine(spec: ModelSpec, model, weights_bytes: int, prompt_len: int, gen_len: int, max_batch: int,
-                image_tokens: int, chunk: int | None = None):
+                image_tokens: int, chunk: int | None = None, kv_tokens: int | None = None):
     """chunk: the tokens one step may hold, the length of a long prompt's prefill chunks (the
-    engine's max_batch_tokens; None: its default)."""
+    engine's max_batch_tokens; None: its default); kv_tokens: the KV cache's size (default: room
+    for max_batch conversations of prompt_len + gen_len tokens that share nothing)."""
     from ..engine.runtime.engine import Engine
     from .bench_prompts import SyntheticPrompts
 
     context = prompt_len + gen_len + image_tokens + 64
-    tokens = max_batch * (prompt_len + gen_len + 2 * BLOCK) + 2 * context
+    tokens = kv_tokens or max_batch * (prompt_len + gen_len + 2 * BLOCK) + 2 * context
     return Engine.from_model(dataclasses.replace(spec, eos_token_ids=()), model, SyntheticPrompts(spec, prompt_len),
                              device="cuda", dtype="bfloat16", max_context=context, name=spec.family,
                              weights_bytes=weights_bytes, max_running=max_batch, max_kv_tokens=tokens,

@@ -42,7 +42,9 @@ def word_tokenizer(vocab_size: int):
 
 class SyntheticPrompts:
     """A request's text part is replaced by `prompt_len` random ids (fresh ones per request, so
-    the prefix cache finds nothing); each image part becomes the model's image tokens."""
+    the prefix cache finds nothing; a part "tokens:N" asks for N), each image part by the model's
+    image tokens; a part "history:N:SEED" puts N ids drawn from SEED first, the same in every
+    request naming that seed (a conversation's earlier turns, found in the prefix cache)."""
 
     def __init__(self, spec: ModelSpec, prompt_len: int, seed: int = 0):
         self.spec = spec
@@ -53,6 +55,13 @@ class SyntheticPrompts:
 
     def _ids(self, n: int) -> list[int]:
         return [self.random.randrange(*ORDINARY_IDS) for _ in range(n)]
+
+    @staticmethod
+    def shared_ids(n: int, seed: int) -> list[int]:
+        """n ids that are the same for every request naming `seed`: a conversation's history,
+        which the prefix cache then holds once."""
+        draw = random.Random(seed)
+        return [draw.randrange(*ORDINARY_IDS) for _ in range(n)]
 
     def answer_prefix(self, request: ChatRequest) -> str:
         """Random prompts never force a call, so they hold none of the answer."""
@@ -67,16 +76,20 @@ class SyntheticPrompts:
     def build(self, request: ChatRequest) -> Prompt:
         parts = [p for m in request.messages for p in m.content]
         images = [p for p in parts if isinstance(p, ImagePart)]
-        text_len = self.prompt_len
+        text_len, history = self.prompt_len, []
         for p in parts:
             if isinstance(p, TextPart) and p.text.startswith("tokens:"):
                 text_len = int(p.text.split(":", 1)[1])
+            elif isinstance(p, TextPart) and p.text.startswith("history:"):
+                n, seed = (int(v) for v in p.text.split(":")[1:])
+                history = self.shared_ids(n, seed)
         if not images:
-            return Prompt(self._ids(text_len))
+            return Prompt(history + self._ids(text_len))
         per_image = tuple(self.image_recipe.resize(p.image) for p in images)
         grid = torch.cat([self.image_recipe.grid(pixels) for pixels in per_image])
         tokens = self.spec.image_tokens
         ids: list[int] = []
         for n in (grid.prod(-1) // self.spec.vision.spatial_merge_size ** 2).tolist():
             ids += [tokens.image_start] + [tokens.image] * n + [tokens.image_end]
-        return Prompt(ids + self._ids(text_len), per_image, grid, tuple(p.sha256 for p in images), self.image_recipe)
+        return Prompt(history + ids + self._ids(text_len), per_image, grid, tuple(p.sha256 for p in images),
+                      self.image_recipe)

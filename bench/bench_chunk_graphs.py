@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from localchat.app.bench import _finals, _request, dummy_model, make_engine
-from localchat.engine.runtime.request import Final, TextPart
+from localchat.app.bench import _finals, _request, dummy_model, first_token_beside_answers, make_engine
+from localchat.engine.runtime.request import TextPart
 from localchat.engine.weights.loader import weight_bytes
 from localchat.kernels import moe_config
 
@@ -30,30 +29,8 @@ def ttft_alone(engine, n: int, reps: int) -> float:
 def beside_answers(engine, n: int, answering: int, reps: int) -> tuple[float, float]:
     """(median TTFT of an n-token prompt arriving while `answering` chats decode, the longest gap
     between one answering chat's tokens meanwhile)."""
-    ttfts, gaps = [], []
-    chats = [engine.submit(_request(400, TextPart("tokens:64"))) for _ in range(answering)]
-    streams = [iter(c) for c in chats]
-    for _ in range(10):  # every answering chat is decoding
-        for s in streams:
-            next(s)
-    for _ in range(reps):
-        start = time.perf_counter()
-        new = engine.submit(_request(1, TextPart(f"tokens:{n}")))
-        stamps = [start]
-        while not new.items.qsize():  # until the new prompt's first token
-            item = next(streams[0])
-            stamps.append(time.perf_counter())
-            if isinstance(item, Final):
-                raise RuntimeError("an answering chat ended: raise its max_tokens")
-        ttft = _finals([new])[0].timings.ttft
-        ttfts.append(ttft)
-        gaps.append(max(b - a for a, b in zip(stamps, stamps[1:])))
-    for chat in chats:  # ends them now (an abort), rather than after all their tokens
-        chat.close()
-    for s in streams:
-        for _ in s:
-            pass
-    return statistics.median(ttfts), statistics.median(gaps)
+    return first_token_beside_answers(engine, lambda: _request(1, TextPart(f"tokens:{n}")),
+                                      lambda: _request(400, TextPart("tokens:64")), answering, reps)
 
 
 def main() -> None:

@@ -6,10 +6,16 @@ SDPA on the same keys laid out contiguously (causal from the first key, so the f
 it has no sinks) is the baseline. --cudnn also times cuDNN's fused attention on keys gathered out of
 the pages, in two parts, prefix and chunk, gathers and merge included (kernels/attention_cudnn.py),
 and with no prefix also on the chunk's own keys where the engine has them (no gather).
---chunks sets the queries (several: each timed over every prefix). --short N,... also times the
-short-chunk kernel (kernels/attention_short.py: query heads packed into a tile's rows, the keys split
-N ways), for a few queries after long prefixes:
+--chunks sets the queries (several: each timed over every prefix). --short S[:BM[:K[:BN[:W]]]],...
+also times the short-chunk kernel (kernels/attention_short.py: query heads packed into BM-row
+tiles, default 64, the keys split S ways, or fewer where a split would get under K keys, BN keys a
+step, default 64, W warps, default 4), for a few queries after long
+prefixes; there a one-query chunk is also timed on the decode kernel. --decoding N puts N more
+sequences of one query each (decoding chats, after the same prefix) in front of the chunk, as a
+mixed step holds them, and also times the decode kernel on those rows beside the chunk's own call;
+--empty N puts N sequences of no query after it (the unused slots of a captured graph's batch):
     python bench/bench_prefill_attention.py --tiles "" --chunks 1,16,64 --prefixes 8192,30720 --short 4,8,16,32
+    python bench/bench_prefill_attention.py --tiles "" --chunks 16 --prefixes 30720 --short 8,16 --decoding 8
 TFLOP/s count the causal half: 4 x queries x mean keys x heads x dim.
     python bench/bench_prefill_attention.py [--before FILE] [--tiles 64:64:4:2,128:64:8:2,...] [--cudnn]
     python bench/bench_prefill_attention.py --tiles "" --cudnn --chunks 256,1024,2048 --prefixes 0,2048,4096
@@ -28,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kerne
 from kernel_checks import eager_time_ms, paged_cache, rel_err  # noqa: E402
 
 from localchat.kernels.attention_cudnn import cudnn_prefill_attention  # noqa: E402
-from localchat.kernels.attention_decode import gather_paged  # noqa: E402
+from localchat.kernels.attention_decode import gather_paged, paged_decode_attention  # noqa: E402
 from localchat.kernels.attention_prefill import paged_prefill_attention  # noqa: E402
 from localchat.kernels.attention_short import short_prefill_attention  # noqa: E402
 
@@ -43,7 +49,10 @@ def main() -> None:
     p.add_argument("--chunks", default="2048")
     p.add_argument("--prefixes", default="0,6144,30720")
     p.add_argument("--cudnn", action="store_true", help="also time cuDNN's attention on gathered keys (prefix, then chunk)")
-    p.add_argument("--short", default="", help="split counts of the short-chunk kernel to time too")
+    p.add_argument("--short", default="", help="S[:BM[:K[:BN[:W]]]],...: forms of the short-chunk kernel to time")
+    p.add_argument("--decoding", type=int, default=0, help="sequences of one query each beside the chunk")
+    p.add_argument("--empty", type=int, default=0, help="sequences of no query after the chunk (a captured "
+                   "graph's unused slots)")
     args = p.parse_args()
     forms = []
     if args.before:
@@ -56,23 +65,52 @@ def main() -> None:
         bm, bn, w, s = (int(v) for v in t.split(":"))
         forms.append((f"{bm}x{bn} w{w} s{s}", lambda *a, bm=bm, bn=bn, w=w, s=s: paged_prefill_attention(
             *a, block_m=bm, block_n=bn, num_warps=w, num_stages=s)))
-    for n in (int(v) for v in filter(None, args.short.split(","))):
-        forms.append((f"short-chunk kernel, {n} splits",
-                      lambda *a, n=n: short_prefill_attention(*a, num_splits=n)))
+    shorts = []
+    for v in filter(None, args.short.split(",")):
+        given = [int(x) for x in v.split(":")]
+        n, bm, sk, bn, w = given + [64, 0, 64, 4][len(given) - 1:]
+        shorts.append((f"{n} splits" + (f" of >= {sk} keys" if sk else "") + f", {bm}x{bn} tiles, {w} warps",
+                       dict(num_splits=n, split_keys=sk, block_m=bm, block_n=bn, num_warps=w)))
+    for label, kw in shorts:
+        forms.append((f"short-chunk kernel, {label}", lambda *a, kw=kw: short_prefill_attention(*a, **kw)))
+    dec = args.decoding
     cases = [(c, int(chunk), prefix) for c in CASES for chunk in args.chunks.split(",")
              for prefix in (int(v) for v in args.prefixes.split(","))]
     for (name, hq, hkv, d, sinks, window), chunk, prefix in cases:
         ctx = prefix + chunk
-        k, v, tables, lens = paged_cache([ctx], hkv, d, 16, torch.bfloat16)
-        cu = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
-        q = torch.randn(chunk, hq, d, device="cuda", dtype=torch.bfloat16)
+        k, v, tables, lens = paged_cache([prefix + 1] * dec + [ctx] + [1] * args.empty, hkv, d, 16, torch.bfloat16)
+        cu = torch.tensor([*range(dec + 1), *[dec + chunk] * (1 + args.empty)], dtype=torch.int32, device="cuda")
+        q = torch.randn(dec + chunk, hq, d, device="cuda", dtype=torch.bfloat16)
         s = torch.randn(hq, device="cuda") if sinks else None
         a = (q, k, v, tables, lens, cu, chunk, d ** -0.5, s, window)
         keys = prefix + chunk / 2 if window is None else min(window, ctx)
-        flops = 4 * chunk * keys * hq * d
-        print(f"{name}, {chunk} queries after {prefix} keys:", flush=True)
+        flops = 4 * (chunk * keys + dec * min(prefix + 1, window or ctx)) * hq * d
+        print(f"{name}, {chunk} queries after {prefix} keys" + (f", beside {dec} decoding" if dec else "")
+              + (f", {args.empty} empty sequences" if args.empty else "") + ":", flush=True)
         first = None
-        for label, fn in forms:
+        extra_forms = []
+        if shorts and dec == 0 and chunk == 1:
+            extra_forms.append(("decode kernel", lambda *a: paged_decode_attention(
+                a[0], a[1], a[2], a[3], a[4], a[7], a[8], a[9])))
+        if dec:  # the decoding rows on the decode (or short-chunk) kernel, the chunk on its own call
+            def split_call(rows_fn, chunk_fn, q, k, v, tables, lens, cu, max_q, scale, s, window):
+                out = torch.empty_like(q)
+                rows_fn(q[:dec], k, v, tables[:dec], lens[:dec], cu[:dec + 1], 1, scale, s, window, out=out[:dec])
+                chunk_fn(q[dec:], k, v, tables[dec:], lens[dec:], cu[dec:] - dec, max_q, scale, s, window,
+                         out=out[dec:])
+                return out
+
+            def decode_rows(q, k, v, tables, lens, cu, max_q, scale, s, window, out):
+                out.copy_(paged_decode_attention(q, k, v, tables, lens, scale, s, window))
+            extra_forms.append(("decode kernel + paged kernel",
+                                lambda *a: split_call(decode_rows, paged_prefill_attention, *a)))
+            for label, kw in shorts:
+                short = lambda *b, kw=kw, **o: short_prefill_attention(*b, **kw, **o)  # noqa: E731
+                extra_forms.append((f"short kernel + paged kernel, {label}",
+                                    lambda *a, short=short: split_call(short, paged_prefill_attention, *a)))
+                extra_forms.append((f"decode kernel + short kernel, {label}",
+                                    lambda *a, short=short: split_call(decode_rows, short, *a)))
+        for label, fn in forms + extra_forms:
             try:
                 out = fn(*a)
                 ms = eager_time_ms(lambda: fn(*a))
@@ -82,7 +120,7 @@ def main() -> None:
             first = out if first is None else first
             print(f"  {label}: {ms * 1e3:8.0f} us  {flops / ms / 1e9:5.0f} TFLOP/s  "
                   f"(rel diff from the first form {rel_err(out, first):.1e})", flush=True)
-        if args.cudnn and window is None:
+        if args.cudnn and window is None and not dec:
             try:
                 extra = dict(context_lens_host=lens.tolist(), query_start_host=[0, chunk])
                 out = cudnn_prefill_attention(*a, **extra)
@@ -91,7 +129,8 @@ def main() -> None:
                       f"(rel diff from the first form {rel_err(out, first):.1e})", flush=True)
             except Exception as e:
                 print(f"  cuDNN on gathered keys, two parts: failed ({type(e).__name__}: {str(e)[:160]})")
-        own = [gather_paged(x, tables[0], ctx) for x in (k, v)] if prefix == 0 and window is None else None
+        own = ([gather_paged(x, tables[0], ctx) for x in (k, v)] if prefix == 0 and window is None and not dec
+               else None)
         if args.cudnn and own is not None:  # [T, Hkv, D], as the layer holds them
             extra = dict(context_lens_host=lens.tolist(), query_start_host=[0, chunk],
                          new_keys=own[0], new_values=own[1])

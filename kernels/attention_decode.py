@@ -181,11 +181,18 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, m
 @triton.jit
 def _decode_combine_kernel(mid_o_ptr, mid_ml_ptr, sinks_ptr, out_ptr, stride_ob, stride_oh, HQ,
                            D: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
-                           HAS_SINKS: tl.constexpr):
+                           HAS_SINKS: tl.constexpr, counts_ptr=None, COUNTED: tl.constexpr = False):
+    """COUNTED: counts [rows x HQ] int32 say how many of a row's first splits hold a partial (the
+    rest wrote none); 0: the row was finished by its one split, nothing to merge."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
     s_mask = s < NUM_SPLITS
+    if COUNTED:
+        count = tl.load(counts_ptr + b * HQ + h)
+        if count == 0:
+            return
+        s_mask = s < count
     d = tl.arange(0, D)
     row = (b * HQ + h) * NUM_SPLITS + s
     m = tl.load(mid_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))

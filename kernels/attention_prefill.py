@@ -126,12 +126,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             max_q_len: int, scale: float, sinks: torch.Tensor | None = None,
                             window: int | None = None, block_m: int | None = None, block_n: int | None = None,
-                            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                            num_warps: int | None = None, num_stages: int | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """q [Tq, Hq, D] (sequences packed by cu_seqlens_q [B+1] int32), caches [num_blocks,
     block_size, Hkv, D], block_tables [B, max_blocks] int32, context_lens [B] int32 (prefix +
-    chunk), max_q_len: the longest chunk (host int). Returns [Tq, Hq, D] in q.dtype. block_m /
-    block_n: queries / keys a tile; num_warps, num_stages: the launch's; each left None takes
-    prefill_tile's choice."""
+    chunk), max_q_len: the longest chunk (host int). Returns [Tq, Hq, D] in q.dtype (written into
+    `out` when given). block_m / block_n: queries / keys a tile; num_warps, num_stages: the
+    launch's; each left None takes prefill_tile's choice."""
     tq, hq, d = q.shape
     tile = prefill_tile(d, window, gpu_arch(q.device).shared_memory)
     block_m, block_n, num_warps, num_stages = (given if given is not None else chosen for given, chosen in
@@ -140,7 +141,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if hq % hkv or d & (d - 1) or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("need query heads a multiple of KV heads, a power-of-two head_dim and "
                          "q/caches contiguous along head_dim")
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     bsz = cu_seqlens_q.numel() - 1
     if tq == 0 or bsz == 0:
         return out
@@ -155,8 +156,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len, scale,
                                 sinks=None, window=None, block_m=None, block_n=None, num_warps=None,
-                                num_stages=None) -> torch.Tensor:
-    out = torch.empty_like(q)
+                                num_stages=None, out=None) -> torch.Tensor:
+    out = torch.empty_like(q) if out is None else out
     for b in range(cu_seqlens_q.numel() - 1):
         s, e = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         ctx = int(context_lens[b])

@@ -6,13 +6,19 @@ a tile of 64-128 query rows. A chunk of a few tokens after a long context (a sho
 long chat) leaves most of those rows empty, and each of a KV head's G query heads walks the same
 keys (bench/NOTES-attention.md, "Short chunks after long contexts"). Here row r of a tile is query
 r // G of head kvh * G + r % G, so a chunk of n tokens fills n * G rows a KV head; and the keys up
-to a tile's last query are split NUM_SPLITS ways, as the decode kernel splits them
-(attention_decode.py), whose combine launch merges the splits' partial maxima, sums and rows and
-adds gpt-oss's sinks. With one split the kernel finishes its rows itself.
+to a tile's last query are split into parts of at least `split_keys` keys (at most NUM_SPLITS), as
+the decode kernel splits them (attention_decode.py), whose combine launch merges the parts' partial
+maxima, sums and rows and adds gpt-oss's sinks. A tile of one part finishes its rows itself.
+
+The grid is a fixed number of programs a KV head, each walking every P-th (sequence, tile, part)
+work item of the batch, which it lists from the query starts and context lengths on the device.
+So a captured graph holds the launch for any lengths, its unused sequence slots cost nothing, and
+a short context takes one part where a long one takes many.
 
 `short_prefill_attention` has paged_prefill_attention's signature (plus its own tile options);
-`short_prefill_attention_ref` is the same reference. Not yet taken by the engine: the sizes where
-it beats the paged kernel are for the GPU to say (`bench/bench_prefill_attention.py`).
+`short_prefill_attention_ref` is the same reference. Not yet taken by the engine:
+`short_prefill_splits` holds the bounds it is meant for (steps of a few queries a sequence, and the
+decoding sequences at long contexts of a step that also reads a long chunk), for the GPU to confirm.
 """
 from __future__ import annotations
 
@@ -22,24 +28,37 @@ import triton.language as tl
 
 from .attention_decode import LOG2E, _decode_combine_kernel, _finish_rows
 from .attention_prefill import _attend_keys, paged_prefill_attention_ref
+from .gpu_facts import sm_count
+
+# (program, KV head) pairs launched an SM
+PROGRAMS_PER_SM = 4
+# Where the engine takes this kernel over the paged one: chunks of up to SHORT_MAX_QUERIES queries
+# a sequence, the keys split in parts of at least SHORT_SPLIT_KEYS, at most SHORT_MAX_SPLITS parts.
+SHORT_MAX_QUERIES = 64
+SHORT_SPLIT_KEYS = 1024
+SHORT_MAX_SPLITS = 16
+# A step whose leading sequences have a few queries each (decoding chats) and whose later ones
+# have more (a prompt's chunk) gives the leading ones to this kernel when one has this many keys.
+MIXED_SPLIT_MIN_KEYS = 2048
+
+
+def short_prefill_splits(max_q_len: int, max_context: int) -> int | None:
+    """num_splits of short_prefill_attention (with split_keys SHORT_SPLIT_KEYS) for a batch whose
+    longest chunk has max_q_len queries and longest context max_context keys (a captured graph:
+    the bounds it holds), or None where the paged prefill kernel serves the batch better."""
+    if max_q_len > SHORT_MAX_QUERIES:
+        return None
+    return max(1, min(SHORT_MAX_SPLITS, -(-max_context // SHORT_SPLIT_KEYS)))
 
 
 @triton.jit
-def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid_o_ptr, mid_ml_ptr, sinks_ptr,
-                          out_ptr, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                          stride_vh, stride_tb, stride_ot, stride_oh, HQ, qk_scale, window, block_size,
-                          G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
-    """Program (sequence, KV head, row tile x split)."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    tile = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
-    q_start = tl.load(cu_ptr + b)
-    q_len = tl.load(cu_ptr + b + 1) - q_start
-    if tile * BLOCK_M >= q_len * G:
-        return
-    ctx = tl.load(lens_ptr + b)
+def _short_tile(q_ptr, k_ptr, v_ptr, table_row, mid_o_ptr, mid_ml_ptr, sinks_ptr, out_ptr, counts_ptr,
+                q_start, q_len, ctx, kvh, tile, split, used, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, HQ, qk_scale, window, block_size,
+                G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """One work item: split `split` of `used` over the keys of row tile `tile` of one sequence's
+    chunk (q_len queries, the last of its ctx tokens) and KV head kvh."""
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     r_mask = r < q_len * G
     i = r // G
@@ -57,70 +76,125 @@ def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - q_len + tile * BLOCK_M // G - window + 1, 0)
-    per_split = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(hi - lo, used), BLOCK_N) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(start + per_split, hi)
 
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    table_row = tables_ptr + b * stride_tb
     for j0 in range(start, end, BLOCK_N):
         m, l, acc = _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, end, pos, window, block_size,
                                  stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh, d,
                                  BLOCK_N, True, HAS_WINDOW)
 
-    if NUM_SPLITS == 1:  # the whole key range: finish as the combine would
+    if used == 1:  # the whole key range: finish as the combine would
         out = _finish_rows(m, l, acc, sinks_ptr, heads, r_mask, HAS_SINKS)
         tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None])
+        if NUM_SPLITS > 1:
+            tl.store(counts_ptr + rows * HQ + heads, 0, mask=r_mask)
     else:
         # the decode combine's layout, with the chunk's token rows as its sequences
-        part = ((q_start + i).to(tl.int64) * HQ + heads) * NUM_SPLITS + split
+        part = (rows * HQ + heads) * NUM_SPLITS + split
         tl.store(mid_o_ptr + part[:, None] * D + d[None, :], acc, mask=r_mask[:, None])
         tl.store(mid_ml_ptr + part * 2, m, mask=r_mask)
         tl.store(mid_ml_ptr + part * 2 + 1, l, mask=r_mask)
+        if split == 0:
+            tl.store(counts_ptr + rows * HQ + heads, used, mask=r_mask)
+
+
+@triton.jit
+def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid_o_ptr, mid_ml_ptr, sinks_ptr,
+                          out_ptr, counts_ptr, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
+                          stride_vs, stride_vh, stride_tb, stride_ot, stride_oh, HQ, qk_scale, window, block_size,
+                          num_seqs, split_keys, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, B_PAD: tl.constexpr,
+                          HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Program (p, KV head): the work items p, p + P, p + 2P, ... of the whole batch (P programs).
+
+    Every program lists the items from the query starts and context lengths alone: sequence b has
+    cdiv(q_len * G, BLOCK_M) row tiles, each split `used_b` ways (its keys over split_keys, at
+    least 1, at most NUM_SPLITS; split_keys 0: NUM_SPLITS), and items are numbered sequence by
+    sequence, tile by tile. So the grid depends on no length: a CUDA graph holds it, sequences with
+    no queries cost nothing, and a short context takes one split that finishes its own rows."""
+    kvh = tl.program_id(1)
+    seq = tl.arange(0, B_PAD)
+    in_batch = seq < num_seqs
+    starts = tl.load(cu_ptr + seq, mask=in_batch, other=0)
+    q_lens = tl.load(cu_ptr + seq + 1, mask=in_batch, other=0) - starts
+    ctxs = tl.load(lens_ptr + seq, mask=in_batch, other=0)
+    keys = ctxs
+    if HAS_WINDOW:
+        keys = tl.minimum(ctxs, window + q_lens - 1)
+    used = tl.full((B_PAD,), NUM_SPLITS, tl.int32)
+    if split_keys > 0:
+        used = tl.minimum(tl.maximum(tl.cdiv(keys, split_keys), 1), NUM_SPLITS)
+    items = tl.cdiv(q_lens * G, BLOCK_M) * used
+    ends = tl.cumsum(items, 0)
+    for w in range(tl.program_id(0), tl.sum(items, 0), tl.num_programs(0)):
+        b = tl.sum((ends <= w).to(tl.int32), 0)
+        this = seq == b
+        u = tl.sum(tl.where(this, used, 0), 0)
+        j = w - tl.sum(tl.where(this, ends - items, 0), 0)
+        _short_tile(q_ptr, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * stride_tb, mid_o_ptr, mid_ml_ptr,
+                    sinks_ptr, out_ptr, counts_ptr, tl.sum(tl.where(this, starts, 0), 0),
+                    tl.sum(tl.where(this, q_lens, 0), 0), tl.sum(tl.where(this, ctxs, 0), 0), kvh, j // u, j % u,
+                    u, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    stride_ot, stride_oh, HQ, qk_scale, window, block_size, G, D, BLOCK_M, BLOCK_N, NUM_SPLITS,
+                    HAS_WINDOW, HAS_SINKS)
 
 
 def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             max_q_len: int, scale: float, sinks: torch.Tensor | None = None,
-                            window: int | None = None, num_splits: int = 8, block_m: int = 64, block_n: int = 64,
-                            num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                            window: int | None = None, num_splits: int = 8, split_keys: int = 0, block_m: int = 64,
+                            block_n: int = 32, num_warps: int = 8, num_stages: int = 2,
+                            programs: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [Tq, Hq, D] (sequences packed by cu_seqlens_q [B+1] int32), caches [num_blocks, block_size,
     Hkv, D], block_tables [B, max_blocks] int32, context_lens [B] int32 (prefix + chunk), max_q_len:
-    the longest chunk (host int). Returns [Tq, Hq, D] in q.dtype. num_splits: programs a row tile's
-    keys are split over; block_m: (query, head) rows a tile; block_n: keys a step."""
+    the longest chunk (host int). Returns [Tq, Hq, D] in q.dtype (written into `out` when given).
+    num_splits: parts a row tile's keys are split into at most; split_keys: keys a part takes at
+    least (a tile of fewer keys takes fewer parts; 0: always num_splits); block_m: (query, head)
+    rows a tile; block_n: keys a step; programs: P, programs launched a KV head, each taking every
+    P-th work item (default: PROGRAMS_PER_SM an SM over all KV heads). The launches depend only on
+    the shapes and max_q_len, so a CUDA graph can hold them."""
     tq, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     if hq % hkv or d & (d - 1) or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("need query heads a multiple of KV heads, a power-of-two head_dim and "
                          "q/caches contiguous along head_dim")
     group = hq // hkv
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     bsz = cu_seqlens_q.numel() - 1
     if tq == 0 or bsz == 0:
         return out
     parts = tq * hq * num_splits if num_splits > 1 else 1
     mid_o = torch.empty((parts, d), dtype=torch.float32, device=q.device)
     mid_ml = torch.empty((parts, 2), dtype=torch.float32, device=q.device)
+    counts = torch.empty((tq * hq if num_splits > 1 else 1,), dtype=torch.int32, device=q.device)
     sinks_arg = sinks if sinks is not None else q
-    _short_prefill_kernel[(bsz, hkv, triton.cdiv(max_q_len * group, block_m) * num_splits)](
+    # no more programs than the batch can have work items
+    most_items = bsz * triton.cdiv(max_q_len * group, block_m) * num_splits
+    if programs is None:
+        programs = max(1, min(PROGRAMS_PER_SM * sm_count(q.device) // hkv, most_items))
+    _short_prefill_kernel[(programs, hkv)](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, mid_o, mid_ml, sinks_arg, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+        counts, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), hq,
-        scale * LOG2E, window or 0, block_size, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
-        num_warps=num_warps, num_stages=num_stages)
+        scale * LOG2E, window or 0, block_size, bsz, split_keys, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, B_PAD=max(16, triton.next_power_of_2(bsz)), HAS_WINDOW=window is not None,
+        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _decode_combine_kernel[(tq, hq)](mid_o, mid_ml, sinks_arg, out, out.stride(0), out.stride(1), hq, D=d,
                                          NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits),
-                                         HAS_SINKS=sinks is not None, num_warps=4)
+                                         HAS_SINKS=sinks is not None, counts_ptr=counts, COUNTED=True,
+                                         num_warps=4)
     return out
 
 
 def short_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len, scale,
-                                sinks=None, window=None, num_splits=8, block_m=64, block_n=64, num_warps=4,
-                                num_stages=2) -> torch.Tensor:
+                                sinks=None, window=None, num_splits=8, split_keys=0, block_m=64, block_n=32,
+                                num_warps=8, num_stages=2, programs=None, out=None) -> torch.Tensor:
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len,
-                                       scale, sinks, window)
+                                       scale, sinks, window, out=out)

@@ -210,15 +210,30 @@ class Engine(EngineLoop):
         seconds it took (0 on the CPU)."""
         if self.device.type != "cuda":
             return 0.0
-        start, done, failure = time.perf_counter(), threading.Event(), []
+        start = time.perf_counter()
         # a full chunk, and sizes on both sides of the kernels' tile choices (kernels/moe_config.py)
         usual = (self.max_batch_tokens, 2048, 512, 128, 32, 8)
         sizes = sorted({min(n, self.max_batch_tokens) for n in usual}, reverse=True)
 
-        def work() -> None:  # runs on the engine thread, which owns the GPU work
+        def work() -> None:
+            self.runner.warm_prefill(self.pool, sizes, self.sliding_pool)
+            self.runner.capture_graphs()
+
+        try:
+            self.run_on_engine_thread(work)
+        except Exception as e:
+            raise RuntimeError(f"warming up the engine failed ({type(e).__name__}: {e}); "
+                               "start with CUDA graphs off to run decode steps eagerly") from e
+        return time.perf_counter() - start
+
+    def run_on_engine_thread(self, fn) -> None:
+        """Runs fn() on the engine's thread, which owns the GPU work (its streams, graphs and
+        cache), between two steps; waits for it and raises what it raised."""
+        done, failure = threading.Event(), []
+
+        def work() -> None:
             try:
-                self.runner.warm_prefill(self.pool, sizes, self.sliding_pool)
-                self.runner.capture_graphs()
+                fn()
             except Exception as e:
                 failure.append(e)
             finally:
@@ -227,9 +242,7 @@ class Engine(EngineLoop):
         self._inbox.put(work)
         done.wait()
         if failure:
-            raise RuntimeError(f"warming up the engine failed ({type(failure[0]).__name__}: {failure[0]}); "
-                               "start with CUDA graphs off to run decode steps eagerly") from failure[0]
-        return time.perf_counter() - start
+            raise failure[0]
 
     def health(self) -> str | None:
         """None while the engine serves; after a failure it cannot recover from (engine/runtime/

@@ -84,7 +84,7 @@ PREFILL_ATTENTION = _types({n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out
                            | {"tables_ptr": "*i32", "lens_ptr": "*i32", "cu_ptr": "*i32", "qk_scale": "fp32"})
 
 SHORT_PREFILL = _types({**{n: PREFILL_ATTENTION(n) for n in _prefill_kernel.arg_names},
-                       "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32"})
+                       "mid_o_ptr": "*fp32", "mid_ml_ptr": "*fp32", "counts_ptr": "*i32"})
 
 CASES = []
 for prefetch in (False, True):
@@ -185,10 +185,10 @@ CASES += [
     ("prefill attention, gpt-oss, 128x64 tiles", _prefill_kernel, PREFILL_ATTENTION,
      dict(G=8, D=64, BLOCK_M=128, BLOCK_N=64, HAS_SINKS=True, HAS_WINDOW=False), 8, 3),
     # short chunks after long contexts: query heads packed into the rows, keys split (and one split)
-    ("short-chunk prefill attention, GLM-4.5V, 8 splits", _short_prefill_kernel, SHORT_PREFILL,
-     dict(G=12, D=128, BLOCK_M=64, BLOCK_N=64, NUM_SPLITS=8, HAS_WINDOW=False, HAS_SINKS=False), 4, 2),
+    ("short-chunk prefill attention, GLM-4.5V, 16 splits", _short_prefill_kernel, SHORT_PREFILL,
+     dict(G=12, D=128, BLOCK_M=64, BLOCK_N=32, NUM_SPLITS=16, B_PAD=128, HAS_WINDOW=False, HAS_SINKS=False), 8, 2),
     ("short-chunk prefill attention, gpt-oss, one split", _short_prefill_kernel, SHORT_PREFILL,
-     dict(G=8, D=64, BLOCK_M=64, BLOCK_N=64, NUM_SPLITS=1, HAS_WINDOW=True, HAS_SINKS=True), 4, 2),
+     dict(G=8, D=64, BLOCK_M=64, BLOCK_N=32, NUM_SPLITS=1, B_PAD=16, HAS_WINDOW=True, HAS_SINKS=True), 8, 2),
     ("FP8 activations per token and 128 columns", _quant_groups_kernel,
      _types({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}), dict(BLOCK_G=8), 4, 1),
     ("FP8 activations per token", _quant_rows_kernel,

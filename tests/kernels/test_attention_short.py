@@ -12,13 +12,27 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("sinks,window", PREFILL_MASKS)
-@pytest.mark.parametrize("num_splits,block_m", [(1, 16), (3, 16), (4, 32)])
-def test_short_prefill_matches_reference(dtype, sinks, window, num_splits, block_m):
+@pytest.mark.parametrize("num_splits,block_m,split_keys", [(1, 16, 0), (3, 16, 0), (4, 32, 0), (4, 16, 32)])
+def test_short_prefill_matches_reference(dtype, sinks, window, num_splits, block_m, split_keys):
     # chunks of 3, 1, 6 and 5 queries after prefixes of 34, 19, 0 and 125 keys (pages of 8, 4 heads
-    # a KV head, a chunk's rows spanning two row tiles of 16, splits with no key at all)
+    # a KV head, a chunk's rows spanning two row tiles of 16, splits with no key at all); with
+    # split_keys 32 the row tiles take 1 to 4 splits by their key count, some finishing their rows
     args = prefill_case([37, 20, 6, 130], [3, 1, 6, 5], 2, 4, 32, 8, dtype, sinks, window)
-    out = short_prefill_attention(*args, num_splits=num_splits, block_m=block_m, block_n=16)
+    out = short_prefill_attention(*args, num_splits=num_splits, split_keys=split_keys, block_m=block_m,
+                                  block_n=16)
     assert rel_err(out, short_prefill_attention_ref(*args)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("programs", [1, 5, None])
+@pytest.mark.parametrize("sinks,window", [(True, None), (False, 12)])
+def test_short_prefill_mixed_batch(sinks, window, programs):
+    # a mixed step as the engine holds it: chunks, decoding sequences of one query and sequences of
+    # none (a captured graph's unused slots) in one batch, the work items of all of them taken
+    # by one, five or every program in turn, each tile split by its own keys
+    ctx_lens, q_lens = [40, 9, 1, 70, 3, 1, 33], [1, 9, 0, 4, 1, 0, 1]
+    args = prefill_case(ctx_lens, q_lens, 2, 3, 32, 8, torch.float32, sinks, window)
+    out = short_prefill_attention(*args, num_splits=4, split_keys=16, block_m=16, block_n=16, programs=programs)
+    assert rel_err(out, short_prefill_attention_ref(*args)) < TOL[torch.float32]
 
 
 @pytest.mark.gpu

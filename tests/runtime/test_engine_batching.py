@@ -3,6 +3,7 @@
 import threading
 import time
 
+import pytest
 from tiny_models import chat, collect, hf_greedy
 
 QUESTIONS = ["Hello there, how are you today?", "Tell me a story about dragons and castles.",
@@ -250,3 +251,21 @@ def test_only_faults_that_stay_with_the_gpu_context_are_unrecoverable():
     for passing in (RuntimeError("CUDA error: invalid argument"), RuntimeError("CUDA error: out of memory"),
                     ValueError("temperature must be at least 0"), RuntimeError("")):
         assert unrecoverable(passing) is None
+
+
+def test_work_runs_on_the_engine_thread(oss):
+    # what warmup and the benchmarks hand the engine's thread (graph captures): run there, between
+    # steps, with its failure raised to the caller and the engine serving on
+    engine = oss.engine(block_size=4)
+    seen = []
+    engine.run_on_engine_thread(lambda: seen.append(threading.current_thread().name))
+    assert seen == ["localchat-engine"]
+
+    def fails():
+        raise ValueError("no room")
+
+    with pytest.raises(ValueError, match="no room"):
+        engine.run_on_engine_thread(fails)
+    ids, _, _, final = collect(engine.submit(chat(("user", "What is 2+2?"), max_tokens=3)))
+    assert final.finish_reason == "length" and len(ids) == 3
+    engine.shutdown()
