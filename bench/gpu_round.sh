@@ -30,7 +30,9 @@
 # beside a running answer, bench/bench_prefill_beside_decodes.py), chunk-graphs (steps of up to 256 tokens from
 # captured graphs: their GPU test, then short prompts' time to first token alone and beside 8 answering chats,
 # graphs off and on, bench/bench_chunk_graphs.py), short-prefill (the short-chunk prefill kernel,
-# kernels/attention_short.py: its GPU test, then against the paged kernel at 1-64 queries after 8K-30K keys).
+# kernels/attention_short.py: its GPU tests, in the model too, then against the paged kernel at 1-256 queries
+# after 512-30K keys, beside 8 decoding sequences, and a short turn's first token after a long conversation,
+# bench/bench_short_turns.py).
 # Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
@@ -116,6 +118,10 @@ step chunk-graphs && timeout "${CHUNK_GRAPHS_TESTS_S:-120}" python3 -m pytest -m
 step chunk-graphs && timeout "${CHUNK_GRAPHS_S:-150}" python3 bench/bench_chunk_graphs.py gpt-oss-120b 2>&1 | tee "$OUT/chunk_graphs.log"
 step chunk-graphs && timeout "${CHUNK_GRAPHS_S:-150}" python3 bench/bench_chunk_graphs.py glm-4.5v-fp8 $CHUNK_GLM_LAYERS 2>&1 | tee -a "$OUT/chunk_graphs.log"
 # short-prefill: a few queries after long contexts, the packed short-chunk kernel against the paged one
-step short-prefill && timeout "${SHORT_TESTS_S:-150}" python3 -m pytest -m gpu tests/kernels/test_attention_short.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/short_prefill_gpu.log" | grep -E "short prefill|passed|failed"
-step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_prefill_attention.py --tiles "" --chunks 1,16,64 --prefixes 8192,30720 --short 4,8,16,32 2>&1 | tee "$OUT/short_prefill.log"
+step short-prefill && timeout "${SHORT_TESTS_S:-150}" python3 -m pytest -m gpu tests/kernels/test_attention_short.py tests/kernels/test_attention_routing.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/short_prefill_gpu.log" | grep -E "short prefill|passed|failed"
+step short-prefill && timeout "${SHORT_TESTS_S:-150}" python3 -m pytest -m gpu tests/gpu/test_model_cuda.py -k short_turn -q -s -p no:cacheprovider 2>&1 | tee -a "$OUT/short_prefill_gpu.log" | grep -E "rel err|passed|failed"
+step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_prefill_attention.py --tiles "" --chunks 1,16,64,128,256 --prefixes 512,8192,30720 --short 16:64:1024:32:8 2>&1 | tee "$OUT/short_prefill.log"
+step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_prefill_attention.py --tiles "" --chunks 16,64,2048 --prefixes 8192,30720 --short 16:64:1024:32:8 --decoding 8 --empty 56 2>&1 | tee -a "$OUT/short_prefill.log"
+step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_short_turns.py gpt-oss-120b 2>&1 | tee "$OUT/short_turns.log"
+step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_short_turns.py glm-4.5v-fp8 $CHUNK_GLM_LAYERS 2>&1 | tee -a "$OUT/short_turns.log"
 exit 0

@@ -16,9 +16,10 @@ So a captured graph holds the launch for any lengths, its unused sequence slots 
 a short context takes one part where a long one takes many.
 
 `short_prefill_attention` has paged_prefill_attention's signature (plus its own tile options);
-`short_prefill_attention_ref` is the same reference. Not yet taken by the engine:
-`short_prefill_splits` holds the bounds it is meant for (steps of a few queries a sequence, and the
-decoding sequences at long contexts of a step that also reads a long chunk), for the GPU to confirm.
+`short_prefill_attention_ref` is the same reference. `short_prefill_splits` says where the engine
+gives it steps when engine/layers/attention.py's SHORT_CHUNK_KERNEL is on (off until timed on a
+GPU): steps of a few queries a sequence, and the decoding sequences at long contexts of a step
+that also reads a long chunk.
 """
 from __future__ import annotations
 

@@ -2,9 +2,12 @@
 
 CUDA runs the Triton kernels (rotary fused with the cache write, paged attention; at decode the
 rotation and the cache write ride in the attention launch itself); elsewhere their torch
-references (same signatures) run. A prefill chunk after a long cached prefix, or a whole long
-chunk, on Hopper goes to cuDNN's fused attention on keys copied out of the pages instead
-(kernels/attention_cudnn.py), where that measured faster.
+references (same signatures) run. With SHORT_CHUNK_KERNEL on, steps of a few queries a sequence
+that are not plain decode steps (a short turn, a prompt's tail beside decoding chats) take the
+short-chunk kernel (kernels/attention_short.py), which packs a KV head's query heads into one tile
+and splits the keys; a prefill chunk after a long cached prefix, or a whole long chunk, on Hopper
+goes to cuDNN's fused attention on keys copied out of the pages (kernels/attention_cudnn.py),
+where that measured faster.
 Keys and values live in a paged cache (engine/runtime/kv_cache.py); a ForwardBatch says which slots.
 With a split cache (gpt-oss), a sliding-window layer keeps its K/V in the sliding group and reads
 that group's block tables and slots; every other layer, and every layer of a one-group cache,
@@ -12,6 +15,7 @@ reads the full group's.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -19,6 +23,8 @@ import torch
 from ...kernels.attention_cudnn import cudnn_prefill_attention, cudnn_prefill_pays, cudnn_shapes_fit, cudnn_works
 from ...kernels.attention_decode import paged_decode_attention, paged_decode_attention_ref, rotary_decode_attention
 from ...kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
+from ...kernels.attention_short import (MIXED_SPLIT_MIN_KEYS, SHORT_MAX_QUERIES, SHORT_SPLIT_KEYS,
+                                        short_prefill_attention, short_prefill_splits)
 from ...kernels.gpu_facts import cuda_index, gpu_arch
 from ...kernels.rotary import apply_rotary, apply_rotary_ref
 from ..parallel.context import SINGLE, ParallelContext
@@ -26,6 +32,10 @@ from ..spec import ModelSpec
 from .linear import concat_rows, linear, linear_takes_e4m3
 
 log = logging.getLogger(__name__)
+# Whether steps of a few queries a sequence take the short-chunk kernel (kernels/attention_short.py)
+# rather than the paged one. Off until its times on a GPU say where it pays
+# (`STEPS=short-prefill bash bench/gpu_round.sh`); the interpreter tests run both choices.
+SHORT_CHUNK_KERNEL = False
 # Devices where a cuDNN prefill call raised (a shape its build refuses, a workspace that did not
 # fit): every later prefill there takes the paged kernel.
 _cudnn_failed: set[torch.device] = set()
@@ -74,24 +84,73 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (and p - window < j with a window); a sink adds exp(sinks[h]) to head h's softmax
     denominator without a value. new_keys, new_values [T, Hkv, D]: the batch's keys and values
     as just written to the cache, which a prefill may read from there instead."""
-    on_gpu = q.is_cuda
+    on_gpu = _runs_kernels(q)
+    takes_short = on_gpu and SHORT_CHUNK_KERNEL
     tables = batch.block_tables if tables is None else tables
     lens = batch.context_lens
     if batch.is_decode:
         decode = paged_decode_attention if on_gpu else paged_decode_attention_ref
         return decode(q, k_cache, v_cache, tables, lens, scale, sinks, window)
-    prefill = paged_prefill_attention if on_gpu else paged_prefill_attention_ref
-    if batch.captured_query_len is not None:  # a captured graph: sized by its bound, no host-planned path
-        return prefill(q, k_cache, v_cache, tables, lens, batch.query_start, batch.captured_query_len, scale,
-                       sinks, window)
+    if batch.captured_query_len is not None:  # a captured graph: sized by its bounds, no host-planned path
+        longest = batch.captured_query_len
+        splits = short_prefill_splits(longest, tables.shape[1] * k_cache.shape[1]) if takes_short else None
+        if splits is not None:
+            return short_prefill_attention(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale,
+                                           sinks, window, num_splits=splits, split_keys=SHORT_SPLIT_KEYS)
+        prefill = paged_prefill_attention if on_gpu else paged_prefill_attention_ref
+        return prefill(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks, window)
     starts = batch.query_start_host
     query_lens = [b - a for a, b in zip(starts, starts[1:])]
-    longest = max(query_lens)
+    # a step packs its decoding sequences first: the leading ones of a few queries each
+    few = next((i for i, n in enumerate(query_lens) if n > SHORT_MAX_QUERIES), len(query_lens)) if takes_short else 0
+    most_keys = max(batch.context_lens_host[:few], default=0)
+    splits = short_prefill_splits(max(query_lens[:few]), most_keys) if few else None
+    if splits is not None and few == len(query_lens):
+        return short_prefill_attention(q, k_cache, v_cache, tables, lens, batch.query_start, max(query_lens), scale,
+                                       sinks, window, num_splits=splits, split_keys=SHORT_SPLIT_KEYS)
+    if splits is not None and window is None and most_keys >= MIXED_SPLIT_MIN_KEYS:
+        return _cut_after(few, splits, q, k_cache, v_cache, tables, batch, query_lens, scale, sinks, new_keys,
+                          new_values)
+    return _long_prefill(q, k_cache, v_cache, tables, batch, query_lens, scale, sinks, window, new_keys, new_values)
+
+
+def _cut_after(few: int, splits: int, q, k_cache, v_cache, tables, batch, query_lens: list[int], scale, sinks,
+               new_keys, new_values) -> torch.Tensor:
+    """A full-attention step whose first `few` sequences (decoding chats at long contexts) have a
+    few queries each and whose others have long chunks: walking the first ones' keys with the
+    chunks' tiles would leave most rows empty, so they take the short-chunk kernel (`splits`
+    parts at most) and the others their own call, each writing its rows of one output."""
+    rows, out = batch.query_start_host[few], torch.empty_like(q)
+    short_prefill_attention(q[:rows], k_cache, v_cache, tables[:few], batch.context_lens[:few],
+                            batch.query_start[:few + 1], max(query_lens[:few]), scale, sinks, None,
+                            num_splits=splits, split_keys=SHORT_SPLIT_KEYS, out=out[:rows])
+    rest = dataclasses.replace(batch, query_start=batch.query_start[few:] - rows,
+                               context_lens=batch.context_lens[few:], block_tables=batch.block_tables[few:],
+                               sliding_block_tables=None, context_lens_host=batch.context_lens_host[few:],
+                               query_start_host=[s - rows for s in batch.query_start_host[few:]])
+    _long_prefill(q[rows:], k_cache, v_cache, tables[few:], rest, query_lens[few:], scale, sinks, None,
+                  None if new_keys is None else new_keys[rows:], None if new_values is None else new_values[rows:],
+                  out[rows:])
+    return out
+
+
+def _runs_kernels(q: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve q's attention (on a GPU) rather than their references."""
+    return q.is_cuda
+
+
+def _long_prefill(q, k_cache, v_cache, tables, batch, query_lens: list[int], scale, sinks, window, new_keys,
+                  new_values, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Prefill attention of an eager batch with long chunks: cuDNN where _takes_cudnn says it
+    pays, else the paged kernel (the torch reference off the GPU); into `out` when given."""
+    on_gpu = _runs_kernels(q)
     if on_gpu and window is None:
-        out = _through_cudnn(q, k_cache, v_cache, tables, batch, query_lens, scale, sinks, new_keys, new_values)
-        if out is not None:
-            return out
-    return prefill(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks, window)
+        got = _through_cudnn(q, k_cache, v_cache, tables, batch, query_lens, scale, sinks, new_keys, new_values)
+        if got is not None:
+            return got if out is None else out.copy_(got)
+    prefill = paged_prefill_attention if on_gpu else paged_prefill_attention_ref
+    return prefill(q, k_cache, v_cache, tables, batch.context_lens, batch.query_start, max(query_lens), scale, sinks,
+                   window, out=out)
 
 
 class SelfAttention:

@@ -169,10 +169,12 @@ def torch_references():
     """Swaps every Triton kernel the layers call for its torch reference (same signature)."""
     from localchat.engine.layers import attention as attention_layer
     from localchat.engine.layers import linear as linear_layer
-    from localchat.kernels import attention_decode, attention_prefill, fp8_linear, moe, moe_router, moe_routing
+    from localchat.kernels import (attention_decode, attention_prefill, attention_short, fp8_linear, moe, moe_router,
+                                   moe_routing)
 
     swaps = [(attention_layer, "paged_decode_attention", attention_decode.paged_decode_attention_ref),
              (attention_layer, "paged_prefill_attention", attention_prefill.paged_prefill_attention_ref),
+             (attention_layer, "short_prefill_attention", attention_short.short_prefill_attention_ref),
              (linear_layer, "fp8_linear", fp8_linear.fp8_linear_ref),
              (moe_layer, "fused_moe", moe.fused_moe_ref),
              (moe_layer, "route_glm", moe_routing.route_glm_ref),
@@ -334,5 +336,33 @@ def test_long_prefix_chunk_goes_through_cudnn(config, prefix, forced):
     err = rel_err(got, ref)
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"{config}: 2048 queries after {prefix} cached keys, cuDNN vs paged kernel: logits rel err {err:.1e}, "
+          f"argmax agrees on {agree:.1%} of rows")
+    assert err < TOLERANCE[config]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["glm-4.5v.json", "gpt-oss-20b.json"])
+def test_short_turn_after_prefix_takes_short_kernel(config, monkeypatch):
+    """A 20-token turn after 3000 cached tokens (a short turn late in a chat) takes the short-chunk
+    kernel in every layer, its keys split, sliding-window layers included, and its logits match the
+    same turn through the paged Triton kernel."""
+    from localchat.engine.layers import attention as attention_layer
+
+    spec = truncated_spec(config)
+    model = build_model(spec, dummy_weights(spec, device="cuda", dtype=torch.bfloat16, seed=4), "cuda")
+    prompt = torch.randint(0, 20000, (3020,), generator=torch.Generator().manual_seed(3))
+    calls, short, splits = [], attention_layer.short_prefill_attention, attention_layer.short_prefill_splits
+    monkeypatch.setattr(attention_layer, "short_prefill_attention",
+                        lambda *a, **k: calls.append(k["num_splits"]) or short(*a, **k))
+    monkeypatch.setattr(attention_layer, "SHORT_CHUNK_KERNEL", True)
+    with torch.inference_mode(), recorded_routing() as routes:
+        got = prefill_in_chunks(model, spec, prompt, [0, 2048, 3000], torch.bfloat16)
+    monkeypatch.setattr(attention_layer, "SHORT_CHUNK_KERNEL", False)
+    with torch.inference_mode(), recorded_routing(spec, replay=routes):
+        ref = prefill_in_chunks(model, spec, prompt, [0, 2048, 3000], torch.bfloat16)
+    assert calls == [splits(20, 3020)] * spec.num_layers and calls[0] > 1
+    err = rel_err(got, ref)
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"{config}: 20 queries after 3000 cached keys, short-chunk vs paged kernel: logits rel err {err:.1e}, "
           f"argmax agrees on {agree:.1%} of rows")
     assert err < TOLERANCE[config]

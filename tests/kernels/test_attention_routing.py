@@ -1,0 +1,67 @@
+"""Which prefill attention kernel the attention layer gives a step (engine/layers/attention.py),
+run through the kernels in the interpreter: sequences of a few queries each take the short-chunk
+kernel, long chunks the paged one, and a step with decoding sequences ahead of a long chunk is cut
+in two; every form against the gathered reference of the whole step."""
+import pytest
+import torch
+
+from kernel_checks import TOL, prefill_case, rel_err
+from localchat.engine.layers import attention as attention_layer
+from localchat.engine.runtime.forward_batch import ForwardBatch
+from localchat.kernels.attention_prefill import paged_prefill_attention_ref
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """The layer's GPU choices on the CPU (the interpreter runs the kernels; no cuDNN), with small
+    bounds; returns the calls made: (kernel, sequences, longest chunk)."""
+    calls = []
+    monkeypatch.setattr(attention_layer, "_runs_kernels", lambda q: True)
+    monkeypatch.setattr(attention_layer, "SHORT_CHUNK_KERNEL", True)
+    monkeypatch.setattr(attention_layer, "_through_cudnn", lambda *a: None)
+    monkeypatch.setattr(attention_layer, "SHORT_MAX_QUERIES", 4)
+    monkeypatch.setattr(attention_layer, "SHORT_SPLIT_KEYS", 16)
+    monkeypatch.setattr(attention_layer, "MIXED_SPLIT_MIN_KEYS", 48)
+    for name in ("short_prefill_attention", "paged_prefill_attention"):
+        kernel = getattr(attention_layer, name)
+
+        def recorded(*args, _kernel=kernel, _name=name, **kwargs):
+            calls.append((_name.split("_")[0], args[5].numel() - 1, args[6]))
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(attention_layer, name, recorded)
+    return calls
+
+
+def batch_of(args) -> ForwardBatch:
+    q, _, _, tables, ctx, cu = args[:6]
+    t = q.shape[0]
+    return ForwardBatch(torch.zeros(t), torch.zeros(t, dtype=torch.long), cu, ctx, tables, cu.tolist(), ctx.tolist())
+
+
+@pytest.mark.parametrize("ctx_lens,q_lens,sinks,window,expect", [
+    # decoding sequences at long contexts ahead of a chunk: cut in two
+    ([60, 9, 75, 90], [1, 1, 3, 20], True, None, [("short", 3, 3), ("paged", 1, 20)]),
+    # the same with only short contexts ahead: one paged call
+    ([30, 9, 40, 90], [1, 1, 3, 20], False, None, [("paged", 4, 20)]),
+    # a sliding-window layer reads few keys whatever the context: one paged call
+    ([60, 9, 75, 90], [1, 1, 3, 20], True, 12, [("paged", 4, 20)]),
+    # a few queries in every sequence: the short-chunk kernel alone
+    ([60, 9, 75], [1, 4, 2], True, None, [("short", 3, 4)]),
+    ([60, 9, 75], [1, 4, 2], False, 12, [("short", 3, 4)]),
+])
+def test_layer_routes_prefill_attention(kernels_on_cpu, ctx_lens, q_lens, sinks, window, expect):
+    args = prefill_case(ctx_lens, q_lens, 2, 3, 32, 8, torch.float32, sinks, window)
+    q, k, v, tables, ctx, cu, longest, scale, s, window = args
+    out = attention_layer.paged_attention(q, k, v, batch_of(args), scale, s, window)
+    assert kernels_on_cpu == expect
+    assert rel_err(out, paged_prefill_attention_ref(*args)) < TOL[torch.float32]
+
+
+def test_switched_off_every_step_takes_the_paged_kernel(kernels_on_cpu, monkeypatch):
+    monkeypatch.setattr(attention_layer, "SHORT_CHUNK_KERNEL", False)
+    args = prefill_case([60, 9, 75, 90], [1, 1, 3, 20], 2, 3, 32, 8, torch.float32, True, None)
+    q, k, v, tables, ctx, cu, longest, scale, s, window = args
+    out = attention_layer.paged_attention(q, k, v, batch_of(args), scale, s, window)
+    assert kernels_on_cpu == [("paged", 4, 20)]
+    assert rel_err(out, paged_prefill_attention_ref(*args)) < TOL[torch.float32]
