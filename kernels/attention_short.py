@@ -16,10 +16,9 @@ So a captured graph holds the launch for any lengths, its unused sequence slots 
 a short context takes one part where a long one takes many.
 
 `short_prefill_attention` has paged_prefill_attention's signature (plus its own tile options);
-`short_prefill_attention_ref` is the same reference. `short_prefill_splits` says where the engine
-gives it steps when engine/layers/attention.py's SHORT_CHUNK_KERNEL is on (off until timed on a
-GPU): steps of a few queries a sequence, and the decoding sequences at long contexts of a step
-that also reads a long chunk.
+`short_prefill_attention_ref` is the same reference. The engine (engine/layers/attention.py) gives
+it the decoding sequences at long contexts of a step that also reads a long chunk, and, with
+SHORT_CHUNK_KERNEL on, steps of a few queries a sequence (`short_prefill_splits`).
 """
 from __future__ import annotations
 
@@ -39,8 +38,10 @@ SHORT_MAX_QUERIES = 64
 SHORT_SPLIT_KEYS = 1024
 SHORT_MAX_SPLITS = 16
 # A step whose leading sequences have a few queries each (decoding chats) and whose later ones
-# have more (a prompt's chunk) gives the leading ones to this kernel when one has this many keys.
-MIXED_SPLIT_MIN_KEYS = 2048
+# have more (a prompt's chunk) gives the leading ones to this kernel when one has this many keys:
+# one query after 8192 keys took 22 / 35 us here against the paged kernel's 178 / 263 (gpt-oss /
+# GLM-4.5V heads, H100; BENCHMARKS.md, "Short chunks after long contexts").
+MIXED_SPLIT_MIN_KEYS = 8192
 
 
 def short_prefill_splits(max_q_len: int, max_context: int) -> int | None:

@@ -2,12 +2,12 @@
 
 CUDA runs the Triton kernels (rotary fused with the cache write, paged attention; at decode the
 rotation and the cache write ride in the attention launch itself); elsewhere their torch
-references (same signatures) run. With SHORT_CHUNK_KERNEL on, steps of a few queries a sequence
-that are not plain decode steps (a short turn, a prompt's tail beside decoding chats) take the
-short-chunk kernel (kernels/attention_short.py), which packs a KV head's query heads into one tile
-and splits the keys; a prefill chunk after a long cached prefix, or a whole long chunk, on Hopper
-goes to cuDNN's fused attention on keys copied out of the pages (kernels/attention_cudnn.py),
-where that measured faster.
+references (same signatures) run. The decoding sequences at long contexts of a step that also
+reads a long chunk take the short-chunk kernel (kernels/attention_short.py), which packs a KV
+head's query heads into one tile and splits the keys; with SHORT_CHUNK_KERNEL on, so do steps of a
+few queries a sequence (a short turn, a prompt's tail beside decoding chats). A prefill chunk
+after a long cached prefix, or a whole long chunk, on Hopper goes to cuDNN's fused attention on
+keys copied out of the pages (kernels/attention_cudnn.py), where that measured faster.
 Keys and values live in a paged cache (engine/runtime/kv_cache.py); a ForwardBatch says which slots.
 With a split cache (gpt-oss), a sliding-window layer keeps its K/V in the sliding group and reads
 that group's block tables and slots; every other layer, and every layer of a one-group cache,
@@ -33,8 +33,10 @@ from .linear import concat_rows, linear, linear_takes_e4m3
 
 log = logging.getLogger(__name__)
 # Whether steps of a few queries a sequence take the short-chunk kernel (kernels/attention_short.py)
-# rather than the paged one. Off until its times on a GPU say where it pays
-# (`STEPS=short-prefill bash bench/gpu_round.sh`); the interpreter tests run both choices.
+# rather than the paged one, in captured chunk graphs and eagerly. Off: on an H100 it was 2-8x
+# faster after 8K-30K keys for 1-20 queries, but 0.7x for GLM-4.5V's 64 queries after 8K, and a
+# graph cannot see the context (BENCHMARKS.md, "Short chunks after long contexts"); its times at
+# short contexts are to come (`STEPS=short-prefill bash bench/gpu_round.sh`).
 SHORT_CHUNK_KERNEL = False
 # Devices where a cuDNN prefill call raised (a shape its build refuses, a workspace that did not
 # fit): every later prefill there takes the paged kernel.
@@ -102,13 +104,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     starts = batch.query_start_host
     query_lens = [b - a for a, b in zip(starts, starts[1:])]
     # a step packs its decoding sequences first: the leading ones of a few queries each
-    few = next((i for i, n in enumerate(query_lens) if n > SHORT_MAX_QUERIES), len(query_lens)) if takes_short else 0
+    few = next((i for i, n in enumerate(query_lens) if n > SHORT_MAX_QUERIES), len(query_lens)) if on_gpu else 0
     most_keys = max(batch.context_lens_host[:few], default=0)
     splits = short_prefill_splits(max(query_lens[:few]), most_keys) if few else None
-    if splits is not None and few == len(query_lens):
+    if splits is not None and few == len(query_lens) and takes_short:
         return short_prefill_attention(q, k_cache, v_cache, tables, lens, batch.query_start, max(query_lens), scale,
                                        sinks, window, num_splits=splits, split_keys=SHORT_SPLIT_KEYS)
-    if splits is not None and window is None and most_keys >= MIXED_SPLIT_MIN_KEYS:
+    if splits is not None and few < len(query_lens) and window is None and most_keys >= MIXED_SPLIT_MIN_KEYS:
         return _cut_after(few, splits, q, k_cache, v_cache, tables, batch, query_lens, scale, sinks, new_keys,
                           new_values)
     return _long_prefill(q, k_cache, v_cache, tables, batch, query_lens, scale, sinks, window, new_keys, new_values)

@@ -58,10 +58,12 @@ def test_layer_routes_prefill_attention(kernels_on_cpu, ctx_lens, q_lens, sinks,
     assert rel_err(out, paged_prefill_attention_ref(*args)) < TOL[torch.float32]
 
 
-def test_switched_off_every_step_takes_the_paged_kernel(kernels_on_cpu, monkeypatch):
+@pytest.mark.parametrize("q_lens,expect", [([1, 4, 2, 20], [("short", 3, 4), ("paged", 1, 20)]),
+                                            ([1, 4, 2, 3], [("paged", 4, 4)])])
+def test_switched_off_only_the_cut_takes_the_short_kernel(kernels_on_cpu, monkeypatch, q_lens, expect):
     monkeypatch.setattr(attention_layer, "SHORT_CHUNK_KERNEL", False)
-    args = prefill_case([60, 9, 75, 90], [1, 1, 3, 20], 2, 3, 32, 8, torch.float32, True, None)
+    args = prefill_case([60, 9, 75, 90], q_lens, 2, 3, 32, 8, torch.float32, True, None)
     q, k, v, tables, ctx, cu, longest, scale, s, window = args
     out = attention_layer.paged_attention(q, k, v, batch_of(args), scale, s, window)
-    assert kernels_on_cpu == [("paged", 4, 20)]
+    assert kernels_on_cpu == expect
     assert rel_err(out, paged_prefill_attention_ref(*args)) < TOL[torch.float32]
