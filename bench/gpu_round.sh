@@ -118,7 +118,9 @@ step chunk-graphs && timeout "${CHUNK_GRAPHS_TESTS_S:-120}" python3 -m pytest -m
 step chunk-graphs && timeout "${CHUNK_GRAPHS_S:-150}" python3 bench/bench_chunk_graphs.py gpt-oss-120b 2>&1 | tee "$OUT/chunk_graphs.log"
 step chunk-graphs && timeout "${CHUNK_GRAPHS_S:-150}" python3 bench/bench_chunk_graphs.py glm-4.5v-fp8 $CHUNK_GLM_LAYERS 2>&1 | tee -a "$OUT/chunk_graphs.log"
 # short-prefill: a few queries after long contexts, the packed short-chunk kernel against the paged one
-step short-prefill && timeout "${SHORT_TESTS_S:-150}" python3 -m pytest -m gpu tests/kernels/test_attention_short.py tests/kernels/test_attention_routing.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/short_prefill_gpu.log" | grep -E "short prefill|passed|failed"
+step short-prefill && timeout "${SHORT_TESTS_S:-150}" python3 -m pytest -m gpu tests/kernels/test_attention_short.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/short_prefill_gpu.log" | grep -E "short prefill|passed|failed"
+# the layer's choices (a CPU test, unmarked) on the GPU's kernels
+step short-prefill && timeout "${SHORT_TESTS_S:-150}" python3 -m pytest tests/kernels/test_attention_routing.py -q -p no:cacheprovider 2>&1 | tee -a "$OUT/short_prefill_gpu.log" | grep -E "passed|failed"
 step short-prefill && timeout "${SHORT_TESTS_S:-150}" python3 -m pytest -m gpu tests/gpu/test_model_cuda.py -k short_turn -q -s -p no:cacheprovider 2>&1 | tee -a "$OUT/short_prefill_gpu.log" | grep -E "rel err|passed|failed"
 step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_prefill_attention.py --tiles "" --chunks 1,16,64,128,256 --prefixes 512,8192,30720 --short 16:64:1024:32:8 2>&1 | tee "$OUT/short_prefill.log"
 step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_prefill_attention.py --tiles "" --chunks 16,64,2048 --prefixes 8192,30720 --short 16:64:1024:32:8 --decoding 8 --empty 56 2>&1 | tee -a "$OUT/short_prefill.log"

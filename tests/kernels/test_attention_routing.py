@@ -12,9 +12,9 @@ from localchat.kernels.attention_prefill import paged_prefill_attention_ref
 
 
 @pytest.fixture
-def kernels_on_cpu(monkeypatch):
-    """The layer's GPU choices on the CPU (the interpreter runs the kernels; no cuDNN), with small
-    bounds; returns the calls made: (kernel, sequences, longest chunk)."""
+def layer_choices(monkeypatch):
+    """The layer's GPU choices wherever this runs (on the CPU the interpreter runs the kernels; no
+    cuDNN), with small bounds; returns the calls made: (kernel, sequences, longest chunk)."""
     calls = []
     monkeypatch.setattr(attention_layer, "_runs_kernels", lambda q: True)
     monkeypatch.setattr(attention_layer, "SHORT_CHUNK_KERNEL", True)
@@ -50,20 +50,20 @@ def batch_of(args) -> ForwardBatch:
     ([60, 9, 75], [1, 4, 2], True, None, [("short", 3, 4)]),
     ([60, 9, 75], [1, 4, 2], False, 12, [("short", 3, 4)]),
 ])
-def test_layer_routes_prefill_attention(kernels_on_cpu, ctx_lens, q_lens, sinks, window, expect):
+def test_layer_routes_prefill_attention(layer_choices, ctx_lens, q_lens, sinks, window, expect):
     args = prefill_case(ctx_lens, q_lens, 2, 3, 32, 8, torch.float32, sinks, window)
     q, k, v, tables, ctx, cu, longest, scale, s, window = args
     out = attention_layer.paged_attention(q, k, v, batch_of(args), scale, s, window)
-    assert kernels_on_cpu == expect
+    assert layer_choices == expect
     assert rel_err(out, paged_prefill_attention_ref(*args)) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("q_lens,expect", [([1, 4, 2, 20], [("short", 3, 4), ("paged", 1, 20)]),
                                             ([1, 4, 2, 3], [("paged", 4, 4)])])
-def test_switched_off_only_the_cut_takes_the_short_kernel(kernels_on_cpu, monkeypatch, q_lens, expect):
+def test_switched_off_only_the_cut_takes_the_short_kernel(layer_choices, monkeypatch, q_lens, expect):
     monkeypatch.setattr(attention_layer, "SHORT_CHUNK_KERNEL", False)
     args = prefill_case([60, 9, 75, 90], q_lens, 2, 3, 32, 8, torch.float32, True, None)
     q, k, v, tables, ctx, cu, longest, scale, s, window = args
     out = attention_layer.paged_attention(q, k, v, batch_of(args), scale, s, window)
-    assert kernels_on_cpu == expect
+    assert layer_choices == expect
     assert rel_err(out, paged_prefill_attention_ref(*args)) < TOL[torch.float32]
