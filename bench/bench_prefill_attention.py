@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from kernel_checks import eager_time_ms, paged_cache, rel_err  # noqa: E402
+from kernel_checks import eager_time_ms, prefill_case, rel_err  # noqa: E402
 
 from localchat.kernels.attention_cudnn import cudnn_prefill_attention  # noqa: E402
 from localchat.kernels.attention_decode import gather_paged, paged_decode_attention  # noqa: E402
@@ -78,11 +78,9 @@ def main() -> None:
              for prefix in (int(v) for v in args.prefixes.split(","))]
     for (name, hq, hkv, d, sinks, window), chunk, prefix in cases:
         ctx = prefix + chunk
-        k, v, tables, lens = paged_cache([prefix + 1] * dec + [ctx] + [1] * args.empty, hkv, d, 16, torch.bfloat16)
-        cu = torch.tensor([*range(dec + 1), *[dec + chunk] * (1 + args.empty)], dtype=torch.int32, device="cuda")
-        q = torch.randn(dec + chunk, hq, d, device="cuda", dtype=torch.bfloat16)
-        s = torch.randn(hq, device="cuda") if sinks else None
-        a = (q, k, v, tables, lens, cu, chunk, d ** -0.5, s, window)
+        a = prefill_case([prefix + 1] * dec + [ctx] + [1] * args.empty, [1] * dec + [chunk] + [0] * args.empty,
+                         hkv, hq // hkv, d, 16, torch.bfloat16, sinks, window)
+        q, k, v, tables, lens, cu, _, _, s, _ = a
         keys = prefix + chunk / 2 if window is None else min(window, ctx)
         flops = 4 * (chunk * keys + dec * min(prefix + 1, window or ctx)) * hq * d
         print(f"{name}, {chunk} queries after {prefix} keys" + (f", beside {dec} decoding" if dec else "")

@@ -15,7 +15,6 @@ reads the full group's.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
@@ -126,13 +125,9 @@ def _cut_after(few: int, splits: int, q, k_cache, v_cache, tables, batch, query_
     short_prefill_attention(q[:rows], k_cache, v_cache, tables[:few], batch.context_lens[:few],
                             batch.query_start[:few + 1], max(query_lens[:few]), scale, sinks, None,
                             num_splits=splits, split_keys=SHORT_SPLIT_KEYS, out=out[:rows])
-    rest = dataclasses.replace(batch, query_start=batch.query_start[few:] - rows,
-                               context_lens=batch.context_lens[few:], block_tables=batch.block_tables[few:],
-                               sliding_block_tables=None, context_lens_host=batch.context_lens_host[few:],
-                               query_start_host=[s - rows for s in batch.query_start_host[few:]])
-    _long_prefill(q[rows:], k_cache, v_cache, tables[few:], rest, query_lens[few:], scale, sinks, None,
-                  None if new_keys is None else new_keys[rows:], None if new_values is None else new_values[rows:],
-                  out[rows:])
+    rest_keys, rest_values = (None if x is None else x[rows:] for x in (new_keys, new_values))
+    _long_prefill(q[rows:], k_cache, v_cache, tables[few:], batch.sequences_from(few), query_lens[few:], scale,
+                  sinks, None, rest_keys, rest_values, out[rows:])
     return out
 
 

@@ -9,7 +9,7 @@ slots, of the same shapes; position arithmetic is the same in both groups.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -43,6 +43,7 @@ class ForwardBatch:
     sliding_slot_mapping: torch.Tensor | None = None
     sliding_block_tables: torch.Tensor | None = None
     captured_query_len: int | None = None
+    _tails: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -51,6 +52,21 @@ class ForwardBatch:
     @property
     def is_decode(self) -> bool:
         return self.captured_query_len is None and self.query_start_host[-1] == self.num_seqs
+
+    def sequences_from(self, first: int) -> "ForwardBatch":
+        """The batch of sequences first.. alone, their tokens' offsets counted from their first
+        token (its attention reads query_start, context_lens, the tables and the host lists).
+        Built once a step and shared by every layer that cuts the step there."""
+        if first not in self._tails:
+            rows = self.query_start_host[first]
+            sliding = self.sliding_block_tables
+            self._tails[first] = replace(
+                self, query_start=self.query_start[first:] - rows, context_lens=self.context_lens[first:],
+                block_tables=self.block_tables[first:],
+                sliding_block_tables=None if sliding is None else sliding[first:],
+                query_start_host=[s - rows for s in self.query_start_host[first:]],
+                context_lens_host=self.context_lens_host[first:], _tails={})
+        return self._tails[first]
 
     @classmethod
     def build(cls, seqs: list[tuple[list[int], int, int]], rope_positions: torch.Tensor, block_size: int,

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernel_checks import PREFILL_MASKS, TOL, cuda_time_us, paged_cache, prefill_case, rel_err
+from kernel_checks import PREFILL_MASKS, TOL, cuda_time_us, prefill_case, rel_err
 from localchat.kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,11 +24,7 @@ def test_prefill_matches_reference(dtype, sinks, window, block_m, block_n):
                                                   (96, 8, 128, False, None)])
 def test_prefill_4k_gpu(hq, hkv, d, sinks, window):
     prefix, chunk = 2048, 2048
-    k, v, tables, ctx = paged_cache([prefix + chunk], hkv, d, 16, torch.bfloat16)
-    cu = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
-    q = torch.randn(chunk, hq, d, device="cuda", dtype=torch.bfloat16)
-    s = torch.randn(hq, device="cuda") if sinks else None
-    args = (q, k, v, tables, ctx, cu, chunk, d ** -0.5, s, window)
+    args = prefill_case([prefix + chunk], [chunk], hkv, hq // hkv, d, 16, torch.bfloat16, sinks, window)
     assert rel_err(paged_prefill_attention(*args), paged_prefill_attention_ref(*args)) < TOL[torch.bfloat16]
     us = cuda_time_us(lambda: paged_prefill_attention(*args), iters=3)
     keys = (prefix + chunk / 2) if window is None else min(window, prefix + chunk)

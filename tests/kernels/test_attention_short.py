@@ -3,7 +3,7 @@ against the gathered float32 reference of the paged prefill."""
 import pytest
 import torch
 
-from kernel_checks import PREFILL_MASKS, TOL, cuda_time_us, paged_cache, prefill_case, rel_err
+from kernel_checks import PREFILL_MASKS, TOL, cuda_time_us, prefill_case, rel_err
 from localchat.kernels.attention_prefill import paged_prefill_attention
 from localchat.kernels.attention_short import short_prefill_attention, short_prefill_attention_ref
 
@@ -39,11 +39,7 @@ def test_short_prefill_mixed_batch(sinks, window, programs):
 @pytest.mark.parametrize("hq,hkv,d,sinks", [(64, 8, 64, True), (96, 8, 128, False)])
 @pytest.mark.parametrize("chunk,prefix", [(1, 8192), (16, 8192), (20, 30720), (64, 8192)])
 def test_short_prefill_gpu(hq, hkv, d, sinks, chunk, prefix):
-    k, v, tables, ctx = paged_cache([prefix + chunk], hkv, d, 16, torch.bfloat16)
-    cu = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
-    q = torch.randn(chunk, hq, d, device="cuda", dtype=torch.bfloat16)
-    s = torch.randn(hq, device="cuda") if sinks else None
-    args = (q, k, v, tables, ctx, cu, chunk, d ** -0.5, s, None)
+    args = prefill_case([prefix + chunk], [chunk], hkv, hq // hkv, d, 16, torch.bfloat16, sinks, None)
     assert rel_err(short_prefill_attention(*args), short_prefill_attention_ref(*args)) < TOL[torch.bfloat16]
     splits = {n: cuda_time_us(lambda n=n: short_prefill_attention(*args, num_splits=n), iters=10)
               for n in (4, 8, 16, 32)}
