@@ -6,17 +6,20 @@ SDPA on the same keys laid out contiguously (causal from the first key, so the f
 it has no sinks) is the baseline. --cudnn also times cuDNN's fused attention on keys gathered out of
 the pages, in two parts, prefix and chunk, gathers and merge included (kernels/attention_cudnn.py),
 and with no prefix also on the chunk's own keys where the engine has them (no gather).
---chunks sets the queries (several: each timed over every prefix). --short S[:BM[:K[:BN[:W]]]],...
+--chunks sets the queries (several: each timed over every prefix). --short S[:BM[:K[:BN[:W[:P[:ST[:F]]]]]]],...
 also times the short-chunk kernel (kernels/attention_short.py: query heads packed into BM-row
 tiles, default 64, the keys split S ways, or fewer where a split would get under K keys, BN keys a
-step, default 64, W warps, default 4), for a few queries after long
+step, default 64, W warps, default 4, P programs an SM, default the kernel's, ST pipeline stages,
+default 2, F 1: each key step requesting the next one's keys first), for a few queries after long
 prefixes; there a one-query chunk is also timed on the decode kernel. --decoding N puts N more
 sequences of one query each (decoding chats, after the same prefix) in front of the chunk, as a
 mixed step holds them, and also times the decode kernel on those rows beside the chunk's own call;
 --empty N puts N sequences of no query after it (the unused slots of a captured graph's batch):
     python bench/bench_prefill_attention.py --tiles "" --chunks 1,16,64 --prefixes 8192,30720 --short 4,8,16,32
     python bench/bench_prefill_attention.py --tiles "" --chunks 16 --prefixes 30720 --short 8,16 --decoding 8
-TFLOP/s count the causal half: 4 x queries x mean keys x heads x dim.
+The Triton kernels are timed in replays of a CUDA graph of 20 calls (--eager: eager calls, host
+launch time included, as cuDNN and SDPA always are). TFLOP/s count the causal half: 4 x queries x
+mean keys x heads x dim.
     python bench/bench_prefill_attention.py [--before FILE] [--tiles 64:64:4:2,128:64:8:2,...] [--cudnn]
     python bench/bench_prefill_attention.py --tiles "" --cudnn --chunks 256,1024,2048 --prefixes 0,2048,4096
 """
@@ -31,12 +34,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
-from kernel_checks import eager_time_ms, prefill_case, rel_err  # noqa: E402
+from kernel_checks import cuda_time_us, eager_time_ms, prefill_case, rel_err  # noqa: E402
 
 from localchat.kernels.attention_cudnn import cudnn_prefill_attention  # noqa: E402
 from localchat.kernels.attention_decode import gather_paged, paged_decode_attention  # noqa: E402
 from localchat.kernels.attention_prefill import paged_prefill_attention  # noqa: E402
-from localchat.kernels.attention_short import short_prefill_attention  # noqa: E402
+from localchat.kernels.attention_short import PROGRAMS_PER_SM, short_prefill_attention  # noqa: E402
+from localchat.kernels.gpu_facts import sm_count  # noqa: E402
 
 CASES = [("GLM-4.5V", 96, 8, 128, False, None), ("gpt-oss", 64, 8, 64, True, None),
          ("gpt-oss sliding", 64, 8, 64, True, 128)]
@@ -49,8 +53,11 @@ def main() -> None:
     p.add_argument("--chunks", default="2048")
     p.add_argument("--prefixes", default="0,6144,30720")
     p.add_argument("--cudnn", action="store_true", help="also time cuDNN's attention on gathered keys (prefix, then chunk)")
-    p.add_argument("--short", default="", help="S[:BM[:K[:BN[:W]]]],...: forms of the short-chunk kernel to time")
+    p.add_argument("--short", default="", help="S[:BM[:K[:BN[:W[:P[:ST[:F]]]]]]],...: forms of the short-chunk "
+                   "kernel to time")
     p.add_argument("--decoding", type=int, default=0, help="sequences of one query each beside the chunk")
+    p.add_argument("--eager", action="store_true", help="time eager calls (host launch time included) instead "
+                   "of replays of a CUDA graph of 20 calls")
     p.add_argument("--empty", type=int, default=0, help="sequences of no query after the chunk (a captured "
                    "graph's unused slots)")
     args = p.parse_args()
@@ -68,11 +75,19 @@ def main() -> None:
     shorts = []
     for v in filter(None, args.short.split(",")):
         given = [int(x) for x in v.split(":")]
-        n, bm, sk, bn, w = given + [64, 0, 64, 4][len(given) - 1:]
-        shorts.append((f"{n} splits" + (f" of >= {sk} keys" if sk else "") + f", {bm}x{bn} tiles, {w} warps",
-                       dict(num_splits=n, split_keys=sk, block_m=bm, block_n=bn, num_warps=w)))
+        n, bm, sk, bn, w, per_sm, st, pf = given + [64, 0, 64, 4, PROGRAMS_PER_SM, 2, 0][len(given) - 1:]
+        shorts.append((f"{n} splits" + (f" of >= {sk} keys" if sk else "") + f", {bm}x{bn} tiles, {w} warps"
+                       + (f", {per_sm} programs an SM" if per_sm != PROGRAMS_PER_SM else "")
+                       + (f", {st} stages" if st != 2 else "") + (", prefetched" if pf else ""),
+                       dict(num_splits=n, split_keys=sk, block_m=bm, block_n=bn, num_warps=w, num_stages=st,
+                            per_sm=per_sm, prefetch=bool(pf))))
+
+    def short_form(*a, per_sm, **kw):
+        """short_prefill_attention with per_sm programs an SM over the case's KV heads"""
+        programs = max(1, per_sm * sm_count(a[0].device) // a[1].shape[2])
+        return short_prefill_attention(*a, programs=programs, **kw)
     for label, kw in shorts:
-        forms.append((f"short-chunk kernel, {label}", lambda *a, kw=kw: short_prefill_attention(*a, **kw)))
+        forms.append((f"short-chunk kernel, {label}", lambda *a, kw=kw: short_form(*a, **kw)))
     dec = args.decoding
     cases = [(c, int(chunk), prefix) for c in CASES for chunk in args.chunks.split(",")
              for prefix in (int(v) for v in args.prefixes.split(","))]
@@ -103,7 +118,7 @@ def main() -> None:
             extra_forms.append(("decode kernel + paged kernel",
                                 lambda *a: split_call(decode_rows, paged_prefill_attention, *a)))
             for label, kw in shorts:
-                short = lambda *b, kw=kw, **o: short_prefill_attention(*b, **kw, **o)  # noqa: E731
+                short = lambda *b, kw=kw, **o: short_form(*b, **kw, **o)  # noqa: E731
                 extra_forms.append((f"short kernel + paged kernel, {label}",
                                     lambda *a, short=short: split_call(short, paged_prefill_attention, *a)))
                 extra_forms.append((f"decode kernel + short kernel, {label}",
@@ -111,7 +126,7 @@ def main() -> None:
         for label, fn in forms + extra_forms:
             try:
                 out = fn(*a)
-                ms = eager_time_ms(lambda: fn(*a))
+                ms = eager_time_ms(lambda: fn(*a)) if args.eager else cuda_time_us(lambda: fn(*a)) / 1e3
             except Exception as e:  # a tile over this GPU's shared memory, say
                 print(f"  {label}: failed ({type(e).__name__}: {str(e)[:100]})")
                 continue

@@ -1,6 +1,8 @@
 """Short turns late in long conversations, through the Engine (random weights in the native format,
-on the GPU): the short-chunk attention kernel (kernels/attention_short.py) against the paged
-prefill kernel, in one process, in turns (each with its own captured chunk graphs):
+on the GPU): the engine's choice of attention kernels (the short-chunk kernel,
+kernels/attention_short.py, for steps of a few queries a sequence and for the decoding rows beside
+a long chunk) against the paged prefill kernel for every prefill step, in one process, in turns
+(each with its own captured chunk graphs):
 - a turn of N tokens after a conversation of H tokens held in the prefix cache: its first token;
 - the same turn arriving while `--answering` chats of H tokens decode: its first token, and the
   longest gap between the answering chats' tokens meanwhile.
@@ -49,22 +51,25 @@ def main() -> None:
     kv_tokens = 2 * sum(histories) + 4 * (args.answering + 1) * (max(turns) + 512)
     engine = make_engine(spec, model, weight_bytes(weights), max(histories) + max(turns), 400,
                          args.answering + 1, 0, None, kv_tokens)
-    default = attention_layer.SHORT_CHUNK_KERNEL
+    default = attention_layer.SHORT_CHUNK_KERNEL, attention_layer.MIXED_SPLIT_MIN_KEYS
+    paged_only = False, 1 << 62  # the switch off, and no step cut
     attention_layer.SHORT_CHUNK_KERNEL = True  # the warmup's graphs hold the short-chunk kernel
     seconds = engine.warmup()
     short_graphs = engine.runner.chunks
     paged_graphs = ChunkGraphs(model, engine.cache, short_graphs.dtype, short_graphs.device, **short_graphs.shape)
-    attention_layer.SHORT_CHUNK_KERNEL = False
+    attention_layer.SHORT_CHUNK_KERNEL, attention_layer.MIXED_SPLIT_MIN_KEYS = paged_only
     engine.run_on_engine_thread(paged_graphs.capture_all)
     print(f"{args.model} ({spec.num_layers} layers): warmup {seconds:.1f} s, chunk graphs {short_graphs.sizes}, "
           f"the paged kernel's captured in {paged_graphs.capture_seconds:.2f} s", flush=True)
     for h in histories:  # the history into the prefix cache; compiles every shape the turns take
         for kernel in ("paged", "short"):
-            attention_layer.SHORT_CHUNK_KERNEL = kernel == "short"
+            routes = (True, default[1]) if kernel == "short" else paged_only
+            attention_layer.SHORT_CHUNK_KERNEL, attention_layer.MIXED_SPLIT_MIN_KEYS = routes
             for n in turns:
                 ttft_alone(engine, h, n, 1)
     for kernel in ("paged", "short", "paged", "short"):
-        attention_layer.SHORT_CHUNK_KERNEL = kernel == "short"
+        routes = (True, default[1]) if kernel == "short" else paged_only
+        attention_layer.SHORT_CHUNK_KERNEL, attention_layer.MIXED_SPLIT_MIN_KEYS = routes
         engine.runner.chunks = short_graphs if kernel == "short" else paged_graphs
         for h in histories:
             for n in turns:
@@ -74,7 +79,7 @@ def main() -> None:
                 print(f"  {kernel:5s} kernel, {n:3d}-token turn after {h:5d}: first token alone {alone * 1e3:7.2f} ms; "
                       f"beside {args.answering} answering chats of {h}: {ttft * 1e3:7.2f} ms, their longest gap "
                       f"{gap * 1e3:7.2f} ms", flush=True)
-    attention_layer.SHORT_CHUNK_KERNEL = default
+    attention_layer.SHORT_CHUNK_KERNEL, attention_layer.MIXED_SPLIT_MIN_KEYS = default
     engine.runner.chunks = short_graphs
     engine.shutdown()
 

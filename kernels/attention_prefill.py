@@ -37,13 +37,10 @@ def prefill_tile(head_dim: int, window: int | None, shared_memory: int) -> tuple
 
 
 @triton.jit
-def _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, hi, pos, window, block_size,
-                 stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh, d,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """One key tile j0 + [0, BLOCK_N) of the online softmax: q [BLOCK_M, D] (scaled, log2
-    domain), running max m, sum l [BLOCK_M] and acc [BLOCK_M, D] -> updated. MASKED: some keys of
-    the tile are past hi, after a query's position or (window) too far before it; unmasked tiles
-    skip those tests."""
+def _load_key_tile(k_ptr, v_ptr, table_row, kvh, j0, hi, block_size, stride_ks, stride_kb, stride_kh, stride_vb,
+                   stride_vs, stride_vh, d, BLOCK_N: tl.constexpr):
+    """Keys and values j0 + [0, BLOCK_N) of KV head kvh through the sequence's page table, those at
+    or past hi zero: k, v [BLOCK_N, D]."""
     j = j0 + tl.arange(0, BLOCK_N)
     j_mask = j < hi
     page = tl.load(table_row + j // block_size, mask=j_mask, other=0).to(tl.int64)
@@ -52,9 +49,20 @@ def _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, hi, pos, window
                 mask=j_mask[:, None], other=0.0)
     v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
                 mask=j_mask[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, m, l, acc, k, v, j0, hi, pos, window, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr):
+    """The online softmax over loaded keys and values k, v [BLOCK_N, D] (keys j0 + [0, BLOCK_N)):
+    q [BLOCK_M, D] (scaled, log2 domain), running max m, sum l [BLOCK_M] and acc [BLOCK_M, D] ->
+    updated. MASKED: some keys of the tile are past hi, after a query's position or (window) too
+    far before it; unmasked tiles skip those tests."""
     s = tl.dot(q, tl.trans(k))
     if MASKED:
-        allowed = j_mask[None, :] & (j[None, :] <= pos[:, None])
+        j = j0 + tl.arange(0, BLOCK_N)
+        allowed = (j < hi)[None, :] & (j[None, :] <= pos[:, None])
         if HAS_WINDOW:
             allowed &= j[None, :] > pos[:, None] - window
         s = tl.where(allowed, s, float("-inf"))
@@ -65,6 +73,16 @@ def _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, hi, pos, window
     l = l * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l, acc
+
+
+@triton.jit
+def _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, hi, pos, window, block_size,
+                 stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh, d,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """One key tile j0 + [0, BLOCK_N) of the online softmax, loaded then attended (_attend_tile)."""
+    k, v = _load_key_tile(k_ptr, v_ptr, table_row, kvh, j0, hi, block_size, stride_ks, stride_kb, stride_kh,
+                          stride_vb, stride_vs, stride_vh, d, BLOCK_N)
+    return _attend_tile(q, m, l, acc, k, v, j0, hi, pos, window, BLOCK_N, MASKED, HAS_WINDOW)
 
 
 @triton.jit

@@ -18,7 +18,7 @@ a short context takes one part where a long one takes many.
 `short_prefill_attention` has paged_prefill_attention's signature (plus its own tile options);
 `short_prefill_attention_ref` is the same reference. The engine (engine/layers/attention.py) gives
 it the decoding sequences at long contexts of a step that also reads a long chunk, and, with
-SHORT_CHUNK_KERNEL on, steps of a few queries a sequence (`short_prefill_splits`).
+SHORT_CHUNK_KERNEL on, steps of a few queries a sequence (`short_prefill_queries`).
 """
 from __future__ import annotations
 
@@ -27,14 +27,17 @@ import triton
 import triton.language as tl
 
 from .attention_decode import LOG2E, _decode_combine_kernel, _finish_rows
-from .attention_prefill import _attend_keys, paged_prefill_attention_ref
+from .attention_prefill import _attend_keys, _attend_tile, _load_key_tile, paged_prefill_attention_ref
 from .gpu_facts import sm_count
 
 # (program, KV head) pairs launched an SM
 PROGRAMS_PER_SM = 4
-# Where the engine takes this kernel over the paged one: chunks of up to SHORT_MAX_QUERIES queries
-# a sequence, the keys split in parts of at least SHORT_SPLIT_KEYS, at most SHORT_MAX_SPLITS parts.
-SHORT_MAX_QUERIES = 64
+# Where the engine takes this kernel over the paged one: chunks whose queries fill up to
+# SHORT_MAX_ROWS (query, head) rows a KV head (64 queries of gpt-oss's 8 heads a KV head, 42 of
+# GLM-4.5V's 12: its 64-query turns ran 7-16% slower here than on the paged kernel, whose wider
+# tiles do better once the rows fill them; BENCHMARKS.md, "Short chunks after long contexts"), the
+# keys split in parts of at least SHORT_SPLIT_KEYS, at most SHORT_MAX_SPLITS parts.
+SHORT_MAX_ROWS = 512
 SHORT_SPLIT_KEYS = 1024
 SHORT_MAX_SPLITS = 16
 # A step whose leading sequences have a few queries each (decoding chats) and whose later ones
@@ -44,13 +47,16 @@ SHORT_MAX_SPLITS = 16
 MIXED_SPLIT_MIN_KEYS = 8192
 
 
-def short_prefill_splits(max_q_len: int, max_context: int) -> int | None:
+def short_prefill_splits(max_context: int) -> int:
     """num_splits of short_prefill_attention (with split_keys SHORT_SPLIT_KEYS) for a batch whose
-    longest chunk has max_q_len queries and longest context max_context keys (a captured graph:
-    the bounds it holds), or None where the paged prefill kernel serves the batch better."""
-    if max_q_len > SHORT_MAX_QUERIES:
-        return None
+    longest context is max_context keys (a captured graph: the bound it holds)."""
     return max(1, min(SHORT_MAX_SPLITS, -(-max_context // SHORT_SPLIT_KEYS)))
+
+
+def short_prefill_queries(num_heads: int, num_kv_heads: int) -> int:
+    """The most queries a sequence for which the engine takes this kernel: SHORT_MAX_ROWS over the
+    query heads a KV head."""
+    return max(1, SHORT_MAX_ROWS // (num_heads // num_kv_heads))
 
 
 @triton.jit
@@ -58,7 +64,8 @@ def _short_tile(q_ptr, k_ptr, v_ptr, table_row, mid_o_ptr, mid_ml_ptr, sinks_ptr
                 q_start, q_len, ctx, kvh, tile, split, used, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, HQ, qk_scale, window, block_size,
                 G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
+                NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+                PREFETCH: tl.constexpr):
     """One work item: split `split` of `used` over the keys of row tile `tile` of one sequence's
     chunk (q_len queries, the last of its ctx tokens) and KV head kvh."""
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -85,10 +92,20 @@ def _short_tile(q_ptr, k_ptr, v_ptr, table_row, mid_o_ptr, mid_ml_ptr, sinks_ptr
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    for j0 in range(start, end, BLOCK_N):
-        m, l, acc = _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, end, pos, window, block_size,
-                                 stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh, d,
-                                 BLOCK_N, True, HAS_WINDOW)
+    if PREFETCH:  # the next step's keys requested before this step's arithmetic
+        k, v = _load_key_tile(k_ptr, v_ptr, table_row, kvh, start, end, block_size, stride_ks, stride_kb,
+                              stride_kh, stride_vb, stride_vs, stride_vh, d, BLOCK_N)
+        for j0 in range(start, end, BLOCK_N):
+            k_next, v_next = _load_key_tile(k_ptr, v_ptr, table_row, kvh, j0 + BLOCK_N, end, block_size,
+                                            stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh, d,
+                                            BLOCK_N)
+            m, l, acc = _attend_tile(q, m, l, acc, k, v, j0, end, pos, window, BLOCK_N, True, HAS_WINDOW)
+            k, v = k_next, v_next
+    else:
+        for j0 in range(start, end, BLOCK_N):
+            m, l, acc = _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, end, pos, window,
+                                     block_size, stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh,
+                                     d, BLOCK_N, True, HAS_WINDOW)
 
     if used == 1:  # the whole key range: finish as the combine would
         out = _finish_rows(m, l, acc, sinks_ptr, heads, r_mask, HAS_SINKS)
@@ -112,7 +129,7 @@ def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid
                           stride_vs, stride_vh, stride_tb, stride_ot, stride_oh, HQ, qk_scale, window, block_size,
                           num_seqs, split_keys, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, B_PAD: tl.constexpr,
-                          HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
+                          HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (p, KV head): the work items p, p + P, p + 2P, ... of the whole batch (P programs).
 
     Every program lists the items from the query starts and context lengths alone: sequence b has
@@ -144,7 +161,7 @@ def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid
                     tl.sum(tl.where(this, q_lens, 0), 0), tl.sum(tl.where(this, ctxs, 0), 0), kvh, j // u, j % u,
                     u, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_ot, stride_oh, HQ, qk_scale, window, block_size, G, D, BLOCK_M, BLOCK_N, NUM_SPLITS,
-                    HAS_WINDOW, HAS_SINKS)
+                    HAS_WINDOW, HAS_SINKS, PREFETCH)
 
 
 def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -152,14 +169,16 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             max_q_len: int, scale: float, sinks: torch.Tensor | None = None,
                             window: int | None = None, num_splits: int = 8, split_keys: int = 0, block_m: int = 64,
                             block_n: int = 32, num_warps: int = 8, num_stages: int = 2,
-                            programs: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                            programs: int | None = None, prefetch: bool = False,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """q [Tq, Hq, D] (sequences packed by cu_seqlens_q [B+1] int32), caches [num_blocks, block_size,
     Hkv, D], block_tables [B, max_blocks] int32, context_lens [B] int32 (prefix + chunk), max_q_len:
     the longest chunk (host int). Returns [Tq, Hq, D] in q.dtype (written into `out` when given).
     num_splits: parts a row tile's keys are split into at most; split_keys: keys a part takes at
     least (a tile of fewer keys takes fewer parts; 0: always num_splits); block_m: (query, head)
     rows a tile; block_n: keys a step; programs: P, programs launched a KV head, each taking every
-    P-th work item (default: PROGRAMS_PER_SM an SM over all KV heads). The launches depend only on
+    P-th work item (default: PROGRAMS_PER_SM an SM over all KV heads); prefetch: each key step
+    requests the next step's keys and values before its own arithmetic. The launches depend only on
     the shapes and max_q_len, so a CUDA graph can hold them."""
     tq, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
@@ -186,7 +205,7 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), hq,
         scale * LOG2E, window or 0, block_size, bsz, split_keys, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, B_PAD=max(16, triton.next_power_of_2(bsz)), HAS_WINDOW=window is not None,
-        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages)
+        HAS_SINKS=sinks is not None, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _decode_combine_kernel[(tq, hq)](mid_o, mid_ml, sinks_arg, out, out.stride(0), out.stride(1), hq, D=d,
                                          NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits),
@@ -197,6 +216,6 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def short_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len, scale,
                                 sinks=None, window=None, num_splits=8, split_keys=0, block_m=64, block_n=32,
-                                num_warps=8, num_stages=2, programs=None, out=None) -> torch.Tensor:
+                                num_warps=8, num_stages=2, programs=None, prefetch=False, out=None) -> torch.Tensor:
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len,
                                        scale, sinks, window, out=out)

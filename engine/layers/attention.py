@@ -22,8 +22,8 @@ import torch
 from ...kernels.attention_cudnn import cudnn_prefill_attention, cudnn_prefill_pays, cudnn_shapes_fit, cudnn_works
 from ...kernels.attention_decode import paged_decode_attention, paged_decode_attention_ref, rotary_decode_attention
 from ...kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
-from ...kernels.attention_short import (MIXED_SPLIT_MIN_KEYS, SHORT_MAX_QUERIES, SHORT_SPLIT_KEYS,
-                                        short_prefill_attention, short_prefill_splits)
+from ...kernels.attention_short import (MIXED_SPLIT_MIN_KEYS, SHORT_SPLIT_KEYS, short_prefill_attention,
+                                        short_prefill_queries, short_prefill_splits)
 from ...kernels.gpu_facts import cuda_index, gpu_arch
 from ...kernels.rotary import apply_rotary, apply_rotary_ref
 from ..parallel.context import SINGLE, ParallelContext
@@ -92,10 +92,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if batch.is_decode:
         decode = paged_decode_attention if on_gpu else paged_decode_attention_ref
         return decode(q, k_cache, v_cache, tables, lens, scale, sinks, window)
+    few_queries = short_prefill_queries(q.shape[1], k_cache.shape[2])
     if batch.captured_query_len is not None:  # a captured graph: sized by its bounds, no host-planned path
         longest = batch.captured_query_len
-        splits = short_prefill_splits(longest, tables.shape[1] * k_cache.shape[1]) if takes_short else None
-        if splits is not None:
+        if takes_short and longest <= few_queries:
+            splits = short_prefill_splits(tables.shape[1] * k_cache.shape[1])
             return short_prefill_attention(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale,
                                            sinks, window, num_splits=splits, split_keys=SHORT_SPLIT_KEYS)
         prefill = paged_prefill_attention if on_gpu else paged_prefill_attention_ref
@@ -103,9 +104,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     starts = batch.query_start_host
     query_lens = [b - a for a, b in zip(starts, starts[1:])]
     # a step packs its decoding sequences first: the leading ones of a few queries each
-    few = next((i for i, n in enumerate(query_lens) if n > SHORT_MAX_QUERIES), len(query_lens)) if on_gpu else 0
+    few = next((i for i, n in enumerate(query_lens) if n > few_queries), len(query_lens)) if on_gpu else 0
     most_keys = max(batch.context_lens_host[:few], default=0)
-    splits = short_prefill_splits(max(query_lens[:few]), most_keys) if few else None
+    splits = short_prefill_splits(most_keys) if few else None
     if splits is not None and few == len(query_lens) and takes_short:
         return short_prefill_attention(q, k_cache, v_cache, tables, lens, batch.query_start, max(query_lens), scale,
                                        sinks, window, num_splits=splits, split_keys=SHORT_SPLIT_KEYS)

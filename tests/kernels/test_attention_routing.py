@@ -8,6 +8,7 @@ import torch
 from kernel_checks import TOL, prefill_case, rel_err
 from localchat.engine.layers import attention as attention_layer
 from localchat.engine.runtime.forward_batch import ForwardBatch
+from localchat.kernels import attention_short
 from localchat.kernels.attention_prefill import paged_prefill_attention_ref
 
 
@@ -19,8 +20,9 @@ def layer_choices(monkeypatch):
     monkeypatch.setattr(attention_layer, "_runs_kernels", lambda q: True)
     monkeypatch.setattr(attention_layer, "SHORT_CHUNK_KERNEL", True)
     monkeypatch.setattr(attention_layer, "_through_cudnn", lambda *a: None)
-    monkeypatch.setattr(attention_layer, "SHORT_MAX_QUERIES", 4)
-    monkeypatch.setattr(attention_layer, "SHORT_SPLIT_KEYS", 16)
+    monkeypatch.setattr(attention_short, "SHORT_MAX_ROWS", 12)  # 4 queries of 3 heads a KV head
+    for module in (attention_layer, attention_short):  # the parts the layer asks for and their count
+        monkeypatch.setattr(module, "SHORT_SPLIT_KEYS", 16)
     monkeypatch.setattr(attention_layer, "MIXED_SPLIT_MIN_KEYS", 48)
     for name in ("short_prefill_attention", "paged_prefill_attention"):
         kernel = getattr(attention_layer, name)
@@ -31,6 +33,11 @@ def layer_choices(monkeypatch):
 
         monkeypatch.setattr(attention_layer, name, recorded)
     return calls
+
+
+def float32_bound(q: torch.Tensor) -> float:
+    """The interpreter computes float32 dots in float32, a GPU's tl.dot in tf32."""
+    return TOL[torch.float32] if q.device.type == "cpu" else 3e-3
 
 
 def batch_of(args) -> ForwardBatch:
@@ -55,7 +62,7 @@ def test_layer_routes_prefill_attention(layer_choices, ctx_lens, q_lens, sinks, 
     q, k, v, tables, ctx, cu, longest, scale, s, window = args
     out = attention_layer.paged_attention(q, k, v, batch_of(args), scale, s, window)
     assert layer_choices == expect
-    assert rel_err(out, paged_prefill_attention_ref(*args)) < TOL[torch.float32]
+    assert rel_err(out, paged_prefill_attention_ref(*args)) < float32_bound(q)
 
 
 @pytest.mark.parametrize("q_lens,expect", [([1, 4, 2, 20], [("short", 3, 4), ("paged", 1, 20)]),
@@ -66,4 +73,4 @@ def test_switched_off_only_the_cut_takes_the_short_kernel(layer_choices, monkeyp
     q, k, v, tables, ctx, cu, longest, scale, s, window = args
     out = attention_layer.paged_attention(q, k, v, batch_of(args), scale, s, window)
     assert layer_choices == expect
-    assert rel_err(out, paged_prefill_attention_ref(*args)) < TOL[torch.float32]
+    assert rel_err(out, paged_prefill_attention_ref(*args)) < float32_bound(q)
