@@ -10,7 +10,7 @@ and with no prefix also on the chunk's own keys where the engine has them (no ga
 also times the short-chunk kernel (kernels/attention_short.py: query heads packed into BM-row
 tiles, default 64, the keys split S ways, or fewer where a split would get under K keys, BN keys a
 step, default 64, W warps, default 4, P programs an SM, default the kernel's, ST pipeline stages,
-default 2, F 1: each key step requesting the next one's keys first), for a few queries after long
+default 2, F the kernel's prefetch: 1 the next key step's pages, 2 its keys and the pages after), for a few queries after long
 prefixes; there a one-query chunk is also timed on the decode kernel. --decoding N puts N more
 sequences of one query each (decoding chats, after the same prefix) in front of the chunk, as a
 mixed step holds them, and also times the decode kernel on those rows beside the chunk's own call;
@@ -78,9 +78,9 @@ def main() -> None:
         n, bm, sk, bn, w, per_sm, st, pf = given + [64, 0, 64, 4, PROGRAMS_PER_SM, 2, 0][len(given) - 1:]
         shorts.append((f"{n} splits" + (f" of >= {sk} keys" if sk else "") + f", {bm}x{bn} tiles, {w} warps"
                        + (f", {per_sm} programs an SM" if per_sm != PROGRAMS_PER_SM else "")
-                       + (f", {st} stages" if st != 2 else "") + (", prefetched" if pf else ""),
+                       + (f", {st} stages" if st != 2 else "") + (f", prefetch {pf}" if pf else ""),
                        dict(num_splits=n, split_keys=sk, block_m=bm, block_n=bn, num_warps=w, num_stages=st,
-                            per_sm=per_sm, prefetch=bool(pf))))
+                            per_sm=per_sm, prefetch=pf)))
 
     def short_form(*a, per_sm, **kw):
         """short_prefill_attention with per_sm programs an SM over the case's KV heads"""

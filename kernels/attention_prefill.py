@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_decode import LOG2E, attention_rows_ref, gather_paged
+from .attention_decode import LOG2E, _tile_kv, _tile_pages, attention_rows_ref, gather_paged
 from .gpu_facts import gpu_arch
 
 # Shared memory a program needs for the wide tiles below (128 keys of 128 dims in two stages):
@@ -41,19 +41,13 @@ def _load_key_tile(k_ptr, v_ptr, table_row, kvh, j0, hi, block_size, stride_ks, 
                    stride_vs, stride_vh, d, BLOCK_N: tl.constexpr):
     """Keys and values j0 + [0, BLOCK_N) of KV head kvh through the sequence's page table, those at
     or past hi zero: k, v [BLOCK_N, D]."""
-    j = j0 + tl.arange(0, BLOCK_N)
-    j_mask = j < hi
-    page = tl.load(table_row + j // block_size, mask=j_mask, other=0).to(tl.int64)
-    slot = j % block_size
-    k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                mask=j_mask[:, None], other=0.0)
-    v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                mask=j_mask[:, None], other=0.0)
-    return k, v
+    page = _tile_pages(table_row, j0, hi, block_size, BLOCK_N)
+    return _tile_kv(k_ptr, v_ptr, kvh, page, j0, hi, block_size, stride_kb, stride_ks, stride_kh, stride_vb,
+                    stride_vs, stride_vh, d, BLOCK_N)
 
 
 @triton.jit
-def _attend_tile(q, m, l, acc, k, v, j0, hi, pos, window, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+def _attend_loaded(q, m, l, acc, k, v, j0, hi, pos, window, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                  HAS_WINDOW: tl.constexpr):
     """The online softmax over loaded keys and values k, v [BLOCK_N, D] (keys j0 + [0, BLOCK_N)):
     q [BLOCK_M, D] (scaled, log2 domain), running max m, sum l [BLOCK_M] and acc [BLOCK_M, D] ->
@@ -79,10 +73,10 @@ def _attend_tile(q, m, l, acc, k, v, j0, hi, pos, window, BLOCK_N: tl.constexpr,
 def _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, hi, pos, window, block_size,
                  stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh, d,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """One key tile j0 + [0, BLOCK_N) of the online softmax, loaded then attended (_attend_tile)."""
+    """One key tile j0 + [0, BLOCK_N) of the online softmax, loaded then attended (_attend_loaded)."""
     k, v = _load_key_tile(k_ptr, v_ptr, table_row, kvh, j0, hi, block_size, stride_ks, stride_kb, stride_kh,
                           stride_vb, stride_vs, stride_vh, d, BLOCK_N)
-    return _attend_tile(q, m, l, acc, k, v, j0, hi, pos, window, BLOCK_N, MASKED, HAS_WINDOW)
+    return _attend_loaded(q, m, l, acc, k, v, j0, hi, pos, window, BLOCK_N, MASKED, HAS_WINDOW)
 
 
 @triton.jit

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_decode import LOG2E, _decode_combine_kernel, _finish_rows
-from .attention_prefill import _attend_keys, _attend_tile, _load_key_tile, paged_prefill_attention_ref
+from .attention_decode import LOG2E, _decode_combine_kernel, _finish_rows, _tile_kv, _tile_pages
+from .attention_prefill import _attend_keys, _attend_loaded, paged_prefill_attention_ref
 from .gpu_facts import sm_count
 
 # (program, KV head) pairs launched an SM
@@ -92,15 +92,25 @@ def _short_tile(q_ptr, k_ptr, v_ptr, table_row, mid_o_ptr, mid_ml_ptr, sinks_ptr
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    if PREFETCH:  # the next step's keys requested before this step's arithmetic
-        k, v = _load_key_tile(k_ptr, v_ptr, table_row, kvh, start, end, block_size, stride_ks, stride_kb,
-                              stride_kh, stride_vb, stride_vs, stride_vh, d, BLOCK_N)
+    if PREFETCH == 2:  # a step's arithmetic runs while the next step's keys and the pages after are requested
+        page = _tile_pages(table_row, start, end, block_size, BLOCK_N)
+        k, v = _tile_kv(k_ptr, v_ptr, kvh, page, start, end, block_size, stride_kb, stride_ks, stride_kh,
+                        stride_vb, stride_vs, stride_vh, d, BLOCK_N)
+        page = _tile_pages(table_row, start + BLOCK_N, end, block_size, BLOCK_N)
         for j0 in range(start, end, BLOCK_N):
-            k_next, v_next = _load_key_tile(k_ptr, v_ptr, table_row, kvh, j0 + BLOCK_N, end, block_size,
-                                            stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh, d,
-                                            BLOCK_N)
-            m, l, acc = _attend_tile(q, m, l, acc, k, v, j0, end, pos, window, BLOCK_N, True, HAS_WINDOW)
-            k, v = k_next, v_next
+            page_after = _tile_pages(table_row, j0 + 2 * BLOCK_N, end, block_size, BLOCK_N)
+            k_next, v_next = _tile_kv(k_ptr, v_ptr, kvh, page, j0 + BLOCK_N, end, block_size, stride_kb,
+                                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, d, BLOCK_N)
+            m, l, acc = _attend_loaded(q, m, l, acc, k, v, j0, end, pos, window, BLOCK_N, True, HAS_WINDOW)
+            k, v, page = k_next, v_next, page_after
+    elif PREFETCH == 1:  # the next step's pages requested before this step's keys
+        page = _tile_pages(table_row, start, end, block_size, BLOCK_N)
+        for j0 in range(start, end, BLOCK_N):
+            page_next = _tile_pages(table_row, j0 + BLOCK_N, end, block_size, BLOCK_N)
+            k, v = _tile_kv(k_ptr, v_ptr, kvh, page, j0, end, block_size, stride_kb, stride_ks, stride_kh,
+                            stride_vb, stride_vs, stride_vh, d, BLOCK_N)
+            m, l, acc = _attend_loaded(q, m, l, acc, k, v, j0, end, pos, window, BLOCK_N, True, HAS_WINDOW)
+            page = page_next
     else:
         for j0 in range(start, end, BLOCK_N):
             m, l, acc = _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, end, pos, window,
@@ -169,7 +179,7 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             max_q_len: int, scale: float, sinks: torch.Tensor | None = None,
                             window: int | None = None, num_splits: int = 8, split_keys: int = 0, block_m: int = 64,
                             block_n: int = 32, num_warps: int = 8, num_stages: int = 2,
-                            programs: int | None = None, prefetch: bool = False,
+                            programs: int | None = None, prefetch: int = 0,
                             out: torch.Tensor | None = None) -> torch.Tensor:
     """q [Tq, Hq, D] (sequences packed by cu_seqlens_q [B+1] int32), caches [num_blocks, block_size,
     Hkv, D], block_tables [B, max_blocks] int32, context_lens [B] int32 (prefix + chunk), max_q_len:
@@ -177,8 +187,9 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_splits: parts a row tile's keys are split into at most; split_keys: keys a part takes at
     least (a tile of fewer keys takes fewer parts; 0: always num_splits); block_m: (query, head)
     rows a tile; block_n: keys a step; programs: P, programs launched a KV head, each taking every
-    P-th work item (default: PROGRAMS_PER_SM an SM over all KV heads); prefetch: each key step
-    requests the next step's keys and values before its own arithmetic. The launches depend only on
+    P-th work item (default: PROGRAMS_PER_SM an SM over all KV heads); prefetch: what each key
+    step requests ahead of its own loads and arithmetic (0: nothing, 1: the next step's pages, 2:
+    the next step's keys and values and the pages of the step after). The launches depend only on
     the shapes and max_q_len, so a CUDA graph can hold them."""
     tq, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
@@ -216,6 +227,6 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def short_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len, scale,
                                 sinks=None, window=None, num_splits=8, split_keys=0, block_m=64, block_n=32,
-                                num_warps=8, num_stages=2, programs=None, prefetch=False, out=None) -> torch.Tensor:
+                                num_warps=8, num_stages=2, programs=None, prefetch=0, out=None) -> torch.Tensor:
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len,
                                        scale, sinks, window, out=out)
