@@ -37,22 +37,16 @@ def prefill_tile(head_dim: int, window: int | None, shared_memory: int) -> tuple
 
 
 @triton.jit
-def _load_key_tile(k_ptr, v_ptr, table_row, kvh, j0, hi, block_size, stride_ks, stride_kb, stride_kh, stride_vb,
-                   stride_vs, stride_vh, d, BLOCK_N: tl.constexpr):
-    """Keys and values j0 + [0, BLOCK_N) of KV head kvh through the sequence's page table, those at
-    or past hi zero: k, v [BLOCK_N, D]."""
+def _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, hi, pos, window, block_size,
+                 stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh, d,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """One key tile j0 + [0, BLOCK_N) of the online softmax: q [BLOCK_M, D] (scaled, log2
+    domain), running max m, sum l [BLOCK_M] and acc [BLOCK_M, D] -> updated. MASKED: some keys of
+    the tile are past hi, after a query's position or (window) too far before it; unmasked tiles
+    skip those tests."""
     page = _tile_pages(table_row, j0, hi, block_size, BLOCK_N)
-    return _tile_kv(k_ptr, v_ptr, kvh, page, j0, hi, block_size, stride_kb, stride_ks, stride_kh, stride_vb,
+    k, v = _tile_kv(k_ptr, v_ptr, kvh, page, j0, hi, block_size, stride_kb, stride_ks, stride_kh, stride_vb,
                     stride_vs, stride_vh, d, BLOCK_N)
-
-
-@triton.jit
-def _attend_loaded(q, m, l, acc, k, v, j0, hi, pos, window, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr):
-    """The online softmax over loaded keys and values k, v [BLOCK_N, D] (keys j0 + [0, BLOCK_N)):
-    q [BLOCK_M, D] (scaled, log2 domain), running max m, sum l [BLOCK_M] and acc [BLOCK_M, D] ->
-    updated. MASKED: some keys of the tile are past hi, after a query's position or (window) too
-    far before it; unmasked tiles skip those tests."""
     s = tl.dot(q, tl.trans(k))
     if MASKED:
         j = j0 + tl.arange(0, BLOCK_N)
@@ -67,16 +61,6 @@ def _attend_loaded(q, m, l, acc, k, v, j0, hi, pos, window, BLOCK_N: tl.constexp
     l = l * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l, acc
-
-
-@triton.jit
-def _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, hi, pos, window, block_size,
-                 stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh, d,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """One key tile j0 + [0, BLOCK_N) of the online softmax, loaded then attended (_attend_loaded)."""
-    k, v = _load_key_tile(k_ptr, v_ptr, table_row, kvh, j0, hi, block_size, stride_ks, stride_kb, stride_kh,
-                          stride_vb, stride_vs, stride_vh, d, BLOCK_N)
-    return _attend_loaded(q, m, l, acc, k, v, j0, hi, pos, window, BLOCK_N, MASKED, HAS_WINDOW)
 
 
 @triton.jit

@@ -26,24 +26,29 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_decode import LOG2E, _decode_combine_kernel, _finish_rows, _tile_kv, _tile_pages
-from .attention_prefill import _attend_keys, _attend_loaded, paged_prefill_attention_ref
+from .attention_decode import LOG2E, _decode_combine_kernel, _finish_rows
+from .attention_prefill import _attend_keys, paged_prefill_attention_ref
 from .gpu_facts import sm_count
 
-# (program, KV head) pairs launched an SM
-PROGRAMS_PER_SM = 4
+# (program, KV head) pairs launched an SM (programs of 4 warps: 32 x 64 tiles on 4 warps, 8 an SM,
+# ran up to 25% faster than 64 x 32 on 8 warps, 4 an SM; BENCHMARKS.md, "Short chunks after long
+# contexts")
+PROGRAMS_PER_SM = 8
 # Where the engine takes this kernel over the paged one: chunks whose queries fill up to
-# SHORT_MAX_ROWS (query, head) rows a KV head (64 queries of gpt-oss's 8 heads a KV head, 42 of
-# GLM-4.5V's 12: its 64-query turns ran 7-16% slower here than on the paged kernel, whose wider
-# tiles do better once the rows fill them; BENCHMARKS.md, "Short chunks after long contexts"), the
-# keys split in parts of at least SHORT_SPLIT_KEYS, at most SHORT_MAX_SPLITS parts.
+# SHORT_MAX_ROWS (query, head) rows a KV head (64 of gpt-oss's queries, 8 heads a KV head; 42 of
+# GLM-4.5V's 12: its 64-query chunks ran 0-50% slower here than on the paged kernel, whose wider
+# tiles do better once the rows fill them), the keys split in parts of at least SHORT_SPLIT_KEYS
+# (512: up to 35% faster than parts of 1024 after 512-8192 keys, as fast after 30K, 3-12% slower in
+# two cases of 32-64 queries), at most
+# SHORT_MAX_SPLITS parts (BENCHMARKS.md, "Short chunks after long contexts").
 SHORT_MAX_ROWS = 512
-SHORT_SPLIT_KEYS = 1024
+SHORT_SPLIT_KEYS = 512
 SHORT_MAX_SPLITS = 16
 # A step whose leading sequences have a few queries each (decoding chats) and whose later ones
-# have more (a prompt's chunk) gives the leading ones to this kernel when one has this many keys:
-# one query after 8192 keys took 22 / 35 us here against the paged kernel's 178 / 263 (gpt-oss /
-# GLM-4.5V heads, H100; BENCHMARKS.md, "Short chunks after long contexts").
+# have more (a prompt's chunk) gives the leading ones to this kernel (or, one query each, to the
+# decode kernel) when one has this many keys: one query after 8192 keys took 28-31 us here and
+# 10-16 us on the decode kernel against the paged kernel's 177 / 256 (gpt-oss / GLM-4.5V heads,
+# H100; BENCHMARKS.md, "Short chunks after long contexts").
 MIXED_SPLIT_MIN_KEYS = 8192
 
 
@@ -64,8 +69,7 @@ def _short_tile(q_ptr, k_ptr, v_ptr, table_row, mid_o_ptr, mid_ml_ptr, sinks_ptr
                 q_start, q_len, ctx, kvh, tile, split, used, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, HQ, qk_scale, window, block_size,
                 G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-                PREFETCH: tl.constexpr):
+                NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
     """One work item: split `split` of `used` over the keys of row tile `tile` of one sequence's
     chunk (q_len queries, the last of its ctx tokens) and KV head kvh."""
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -92,30 +96,10 @@ def _short_tile(q_ptr, k_ptr, v_ptr, table_row, mid_o_ptr, mid_ml_ptr, sinks_ptr
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    if PREFETCH == 2:  # a step's arithmetic runs while the next step's keys and the pages after are requested
-        page = _tile_pages(table_row, start, end, block_size, BLOCK_N)
-        k, v = _tile_kv(k_ptr, v_ptr, kvh, page, start, end, block_size, stride_kb, stride_ks, stride_kh,
-                        stride_vb, stride_vs, stride_vh, d, BLOCK_N)
-        page = _tile_pages(table_row, start + BLOCK_N, end, block_size, BLOCK_N)
-        for j0 in range(start, end, BLOCK_N):
-            page_after = _tile_pages(table_row, j0 + 2 * BLOCK_N, end, block_size, BLOCK_N)
-            k_next, v_next = _tile_kv(k_ptr, v_ptr, kvh, page, j0 + BLOCK_N, end, block_size, stride_kb,
-                                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, d, BLOCK_N)
-            m, l, acc = _attend_loaded(q, m, l, acc, k, v, j0, end, pos, window, BLOCK_N, True, HAS_WINDOW)
-            k, v, page = k_next, v_next, page_after
-    elif PREFETCH == 1:  # the next step's pages requested before this step's keys
-        page = _tile_pages(table_row, start, end, block_size, BLOCK_N)
-        for j0 in range(start, end, BLOCK_N):
-            page_next = _tile_pages(table_row, j0 + BLOCK_N, end, block_size, BLOCK_N)
-            k, v = _tile_kv(k_ptr, v_ptr, kvh, page, j0, end, block_size, stride_kb, stride_ks, stride_kh,
-                            stride_vb, stride_vs, stride_vh, d, BLOCK_N)
-            m, l, acc = _attend_loaded(q, m, l, acc, k, v, j0, end, pos, window, BLOCK_N, True, HAS_WINDOW)
-            page = page_next
-    else:
-        for j0 in range(start, end, BLOCK_N):
-            m, l, acc = _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, end, pos, window,
-                                     block_size, stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh,
-                                     d, BLOCK_N, True, HAS_WINDOW)
+    for j0 in range(start, end, BLOCK_N):
+        m, l, acc = _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, end, pos, window, block_size,
+                                 stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh, d,
+                                 BLOCK_N, True, HAS_WINDOW)
 
     if used == 1:  # the whole key range: finish as the combine would
         out = _finish_rows(m, l, acc, sinks_ptr, heads, r_mask, HAS_SINKS)
@@ -139,7 +123,7 @@ def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid
                           stride_vs, stride_vh, stride_tb, stride_ot, stride_oh, HQ, qk_scale, window, block_size,
                           num_seqs, split_keys, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, B_PAD: tl.constexpr,
-                          HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, PREFETCH: tl.constexpr):
+                          HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Program (p, KV head): the work items p, p + P, p + 2P, ... of the whole batch (P programs).
 
     Every program lists the items from the query starts and context lengths alone: sequence b has
@@ -171,25 +155,22 @@ def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid
                     tl.sum(tl.where(this, q_lens, 0), 0), tl.sum(tl.where(this, ctxs, 0), 0), kvh, j // u, j % u,
                     u, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_ot, stride_oh, HQ, qk_scale, window, block_size, G, D, BLOCK_M, BLOCK_N, NUM_SPLITS,
-                    HAS_WINDOW, HAS_SINKS, PREFETCH)
+                    HAS_WINDOW, HAS_SINKS)
 
 
 def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             max_q_len: int, scale: float, sinks: torch.Tensor | None = None,
-                            window: int | None = None, num_splits: int = 8, split_keys: int = 0, block_m: int = 64,
-                            block_n: int = 32, num_warps: int = 8, num_stages: int = 2,
-                            programs: int | None = None, prefetch: int = 0,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            window: int | None = None, num_splits: int = 8, split_keys: int = 0, block_m: int = 32,
+                            block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                            programs: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [Tq, Hq, D] (sequences packed by cu_seqlens_q [B+1] int32), caches [num_blocks, block_size,
     Hkv, D], block_tables [B, max_blocks] int32, context_lens [B] int32 (prefix + chunk), max_q_len:
     the longest chunk (host int). Returns [Tq, Hq, D] in q.dtype (written into `out` when given).
     num_splits: parts a row tile's keys are split into at most; split_keys: keys a part takes at
     least (a tile of fewer keys takes fewer parts; 0: always num_splits); block_m: (query, head)
     rows a tile; block_n: keys a step; programs: P, programs launched a KV head, each taking every
-    P-th work item (default: PROGRAMS_PER_SM an SM over all KV heads); prefetch: what each key
-    step requests ahead of its own loads and arithmetic (0: nothing, 1: the next step's pages, 2:
-    the next step's keys and values and the pages of the step after). The launches depend only on
+    P-th work item (default: PROGRAMS_PER_SM an SM over all KV heads). The launches depend only on
     the shapes and max_q_len, so a CUDA graph can hold them."""
     tq, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
@@ -216,7 +197,7 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), hq,
         scale * LOG2E, window or 0, block_size, bsz, split_keys, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, B_PAD=max(16, triton.next_power_of_2(bsz)), HAS_WINDOW=window is not None,
-        HAS_SINKS=sinks is not None, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
+        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _decode_combine_kernel[(tq, hq)](mid_o, mid_ml, sinks_arg, out, out.stride(0), out.stride(1), hq, D=d,
                                          NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits),
@@ -226,7 +207,7 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def short_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len, scale,
-                                sinks=None, window=None, num_splits=8, split_keys=0, block_m=64, block_n=32,
-                                num_warps=8, num_stages=2, programs=None, prefetch=0, out=None) -> torch.Tensor:
+                                sinks=None, window=None, num_splits=8, split_keys=0, block_m=32, block_n=64,
+                                num_warps=4, num_stages=2, programs=None, out=None) -> torch.Tensor:
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len,
                                        scale, sinks, window, out=out)

@@ -3,9 +3,10 @@
 CUDA runs the Triton kernels (rotary fused with the cache write, paged attention; at decode the
 rotation and the cache write ride in the attention launch itself); elsewhere their torch
 references (same signatures) run. The decoding sequences at long contexts of a step that also
-reads a long chunk take the short-chunk kernel (kernels/attention_short.py), which packs a KV
-head's query heads into one tile and splits the keys; with SHORT_CHUNK_KERNEL on, so do steps of a
-few queries a sequence (a short turn, a prompt's tail beside decoding chats). A prefill chunk
+reads a long chunk take the decode kernel, or the short-chunk kernel (kernels/attention_short.py),
+which packs a KV head's query heads into one tile and splits the keys, where they have a few
+queries each; with SHORT_CHUNK_KERNEL on, so do full-attention steps of a few queries a sequence
+(a short turn, a prompt's tail beside decoding chats). A prefill chunk
 after a long cached prefix, or a whole long chunk, on Hopper goes to cuDNN's fused attention on
 keys copied out of the pages (kernels/attention_cudnn.py), where that measured faster.
 Keys and values live in a paged cache (engine/runtime/kv_cache.py); a ForwardBatch says which slots.
@@ -32,11 +33,12 @@ from .linear import concat_rows, linear, linear_takes_e4m3
 
 log = logging.getLogger(__name__)
 # Whether steps of a few queries a sequence take the short-chunk kernel (kernels/attention_short.py)
-# rather than the paged one, in captured chunk graphs and eagerly. Off: on an H100 it was 2-8x
-# faster after 8K-30K keys for 1-20 queries, but 0.7x for GLM-4.5V's 64 queries after 8K, and a
-# graph cannot see the context (BENCHMARKS.md, "Short chunks after long contexts"); its times at
-# short contexts are to come (`STEPS=short-prefill bash bench/gpu_round.sh`).
-SHORT_CHUNK_KERNEL = False
+# rather than the paged one, in captured chunk graphs and eagerly, in full-attention layers (a
+# window's 128 keys are the paged kernel's: 7 against 10-15 us). On an H100 a 16-token turn after
+# 30K tokens reached its first token 1.7x sooner alone and 2-3.6x beside 8 answering chats, with
+# no case after 512-2048 tokens more than 4% slower (BENCHMARKS.md, "Short chunks after long
+# contexts"): a graph cannot see the context, so it takes this kernel for every context.
+SHORT_CHUNK_KERNEL = True
 # Devices where a cuDNN prefill call raised (a shape its build refuses, a workspace that did not
 # fit): every later prefill there takes the paged kernel.
 _cudnn_failed: set[torch.device] = set()
@@ -86,7 +88,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     denominator without a value. new_keys, new_values [T, Hkv, D]: the batch's keys and values
     as just written to the cache, which a prefill may read from there instead."""
     on_gpu = _runs_kernels(q)
-    takes_short = on_gpu and SHORT_CHUNK_KERNEL
+    takes_short = on_gpu and SHORT_CHUNK_KERNEL and window is None
     tables = batch.block_tables if tables is None else tables
     lens = batch.context_lens
     if batch.is_decode:
@@ -107,7 +109,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     few = next((i for i, n in enumerate(query_lens) if n > few_queries), len(query_lens)) if on_gpu else 0
     most_keys = max(batch.context_lens_host[:few], default=0)
     splits = short_prefill_splits(most_keys) if few else None
-    if splits is not None and few == len(query_lens) and takes_short:
+    # eagerly the context is known: after at most SHORT_SPLIT_KEYS keys (one part) the paged kernel
+    # is as fast or faster
+    if splits is not None and splits > 1 and few == len(query_lens) and takes_short:
         return short_prefill_attention(q, k_cache, v_cache, tables, lens, batch.query_start, max(query_lens), scale,
                                        sinks, window, num_splits=splits, split_keys=SHORT_SPLIT_KEYS)
     if splits is not None and few < len(query_lens) and window is None and most_keys >= MIXED_SPLIT_MIN_KEYS:
@@ -120,12 +124,17 @@ def _cut_after(few: int, splits: int, q, k_cache, v_cache, tables, batch, query_
                new_keys, new_values) -> torch.Tensor:
     """A full-attention step whose first `few` sequences (decoding chats at long contexts) have a
     few queries each and whose others have long chunks: walking the first ones' keys with the
-    chunks' tiles would leave most rows empty, so they take the short-chunk kernel (`splits`
-    parts at most) and the others their own call, each writing its rows of one output."""
+    chunks' tiles would leave most rows empty, so they take the decode kernel (one query each) or
+    the short-chunk kernel (`splits` parts at most) and the others their own call, each writing its
+    rows of one output."""
     rows, out = batch.query_start_host[few], torch.empty_like(q)
-    short_prefill_attention(q[:rows], k_cache, v_cache, tables[:few], batch.context_lens[:few],
-                            batch.query_start[:few + 1], max(query_lens[:few]), scale, sinks, None,
-                            num_splits=splits, split_keys=SHORT_SPLIT_KEYS, out=out[:rows])
+    if rows == few:  # one query each: the decode kernel's rows (1 query after 30K keys: 51 against 84 us)
+        out[:rows] = paged_decode_attention(q[:rows], k_cache, v_cache, tables[:few], batch.context_lens[:few],
+                                            scale, sinks)
+    else:
+        short_prefill_attention(q[:rows], k_cache, v_cache, tables[:few], batch.context_lens[:few],
+                                batch.query_start[:few + 1], max(query_lens[:few]), scale, sinks, None,
+                                num_splits=splits, split_keys=SHORT_SPLIT_KEYS, out=out[:rows])
     rest_keys, rest_values = (None if x is None else x[rows:] for x in (new_keys, new_values))
     _long_prefill(q[rows:], k_cache, v_cache, tables[few:], batch.sequences_from(few), query_lens[few:], scale,
                   sinks, None, rest_keys, rest_values, out[rows:])

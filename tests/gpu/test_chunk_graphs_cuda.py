@@ -27,8 +27,19 @@ STEPS = [[(0, 100), (0, 37), (0, 90)],
          [(102, 1), (39, 5), (151, 1), (15, 100)]]
 
 
+# Bound on an unpadded step's logits: with the short-chunk kernel on, a graph's full-attention
+# layers take it (the graph sees no context) while an eager step after these short contexts takes
+# the paged kernel, another order of the same sums (2.1e-3 / 7.0e-3 measured on an H100); with it
+# off both run the same kernels.
+SAME_SIZE_TOLERANCE = {True: 1.5e-2, False: 1e-3}
+
+
+@pytest.mark.parametrize("short_kernel", [True, False])
 @pytest.mark.parametrize("config", ["gpt-oss-120b.json", "glm-4.5v-fp8.json"])
-def test_chunk_graph_replay_matches_eager_steps(config):
+def test_chunk_graph_replay_matches_eager_steps(config, short_kernel, monkeypatch):
+    from localchat.engine.layers import attention as attention_layer
+
+    monkeypatch.setattr(attention_layer, "SHORT_CHUNK_KERNEL", short_kernel)
     spec = truncated_spec(config)
     model = build_model(spec, dummy_weights(spec, device="cuda", dtype=torch.bfloat16, seed=5), "cuda")
     dev, mrope = torch.device("cuda"), spec.family == "glm4v_moe"
@@ -65,6 +76,6 @@ def test_chunk_graph_replay_matches_eager_steps(config):
           f"keys rel err {cache_err:.1e}; captured {sorted(chunks.graphs)} in {chunks.capture_seconds:.1f} s")
     assert sorted(chunks.graphs) == [16, 64, 112, 256] and chunks.replays == 4
     assert replayed.counters.chunk_graph_steps == 4
-    assert errors[1] < 1e-3 and errors[2] < 1e-3  # same size, same kernels
+    assert errors[1] < SAME_SIZE_TOLERANCE[short_kernel] and errors[2] < SAME_SIZE_TOLERANCE[short_kernel]
     assert max(errors) < PADDED_TOLERANCE[config] and agree >= rows - 1
     assert cache_err < 1e-2

@@ -344,8 +344,8 @@ def test_long_prefix_chunk_goes_through_cudnn(config, prefix, forced):
 @pytest.mark.parametrize("config", ["glm-4.5v.json", "gpt-oss-20b.json"])
 def test_short_turn_after_prefix_takes_short_kernel(config, monkeypatch):
     """A 20-token turn after 3000 cached tokens (a short turn late in a chat) takes the short-chunk
-    kernel in every layer, its keys split, sliding-window layers included, and its logits match the
-    same turn through the paged Triton kernel."""
+    kernel in every full-attention layer, its keys split (sliding-window layers keep the paged
+    kernel), and its logits match the same turn through the paged Triton kernel."""
     from localchat.engine.layers import attention as attention_layer
 
     spec = truncated_spec(config)
@@ -360,7 +360,8 @@ def test_short_turn_after_prefix_takes_short_kernel(config, monkeypatch):
     monkeypatch.setattr(attention_layer, "SHORT_CHUNK_KERNEL", False)
     with torch.inference_mode(), recorded_routing(spec, replay=routes):
         ref = prefill_in_chunks(model, spec, prompt, [0, 2048, 3000], torch.bfloat16)
-    assert calls == [splits(3020)] * spec.num_layers and calls[0] > 1
+    full_layers = sum(t != "sliding" for t in spec.layer_types)
+    assert calls == [splits(3020)] * full_layers and calls[0] > 1
     err = rel_err(got, ref)
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"{config}: 20 queries after 3000 cached keys, short-chunk vs paged kernel: logits rel err {err:.1e}, "

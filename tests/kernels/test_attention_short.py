@@ -23,17 +23,15 @@ def test_short_prefill_matches_reference(dtype, sinks, window, num_splits, block
     assert rel_err(out, short_prefill_attention_ref(*args)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("programs,prefetch", [(1, 0), (5, 0), (None, 0), (5, 1), (5, 2)])
+@pytest.mark.parametrize("programs", [1, 5, None])
 @pytest.mark.parametrize("sinks,window", [(True, None), (False, 12)])
-def test_short_prefill_mixed_batch(sinks, window, programs, prefetch):
+def test_short_prefill_mixed_batch(sinks, window, programs):
     # a mixed step as the engine holds it: chunks, decoding sequences of one query and sequences of
     # none (a captured graph's unused slots) in one batch, the work items of all of them taken
-    # by one, five or every program in turn, each tile split by its own keys (prefetch: each key
-    # step requesting the next one's pages, or its keys and the pages after, first)
+    # by one, five or every program in turn, each tile split by its own keys
     ctx_lens, q_lens = [40, 9, 1, 70, 3, 1, 33], [1, 9, 0, 4, 1, 0, 1]
     args = prefill_case(ctx_lens, q_lens, 2, 3, 32, 8, torch.float32, sinks, window)
-    out = short_prefill_attention(*args, num_splits=4, split_keys=16, block_m=16, block_n=16, programs=programs,
-                                  prefetch=prefetch)
+    out = short_prefill_attention(*args, num_splits=4, split_keys=16, block_m=16, block_n=16, programs=programs)
     assert rel_err(out, short_prefill_attention_ref(*args)) < TOL[torch.float32]
 
 
@@ -44,8 +42,6 @@ def test_short_prefill_gpu(hq, hkv, d, sinks, chunk, prefix):
     args = prefill_case([prefix + chunk], [chunk], hkv, hq // hkv, d, 16, torch.bfloat16, sinks, None)
     ref = short_prefill_attention_ref(*args)
     assert rel_err(short_prefill_attention(*args), ref) < TOL[torch.bfloat16]
-    for prefetch in (1, 2):
-        assert rel_err(short_prefill_attention(*args, prefetch=prefetch), ref) < TOL[torch.bfloat16]
     splits = {n: cuda_time_us(lambda n=n: short_prefill_attention(*args, num_splits=n), iters=10)
               for n in (4, 8, 16, 32)}
     paged = cuda_time_us(lambda: paged_prefill_attention(*args), iters=10)
