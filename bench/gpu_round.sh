@@ -122,8 +122,9 @@ step short-prefill && timeout "${SHORT_TESTS_S:-150}" python3 -m pytest -m gpu t
 # the layer's choices (a CPU test, unmarked) on the GPU's kernels
 step short-prefill && timeout "${SHORT_TESTS_S:-150}" python3 -m pytest tests/kernels/test_attention_routing.py -q -p no:cacheprovider 2>&1 | tee -a "$OUT/short_prefill_gpu.log" | grep -E "passed|failed"
 step short-prefill && timeout "${SHORT_TESTS_S:-150}" python3 -m pytest -m gpu tests/gpu/test_model_cuda.py -k short_turn -q -s -p no:cacheprovider 2>&1 | tee -a "$OUT/short_prefill_gpu.log" | grep -E "rel err|passed|failed"
-step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_prefill_attention.py --tiles "" --chunks 1,16,64,128,256 --prefixes 512,8192,30720 --short 16:64:1024:32:8 2>&1 | tee "$OUT/short_prefill.log"
-step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_prefill_attention.py --tiles "" --chunks 16,64,2048 --prefixes 8192,30720 --short 16:64:1024:32:8 --decoding 8 --empty 56 2>&1 | tee -a "$OUT/short_prefill.log"
-step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_short_turns.py gpt-oss-120b 2>&1 | tee "$OUT/short_turns.log"
-step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_short_turns.py glm-4.5v-fp8 $CHUNK_GLM_LAYERS 2>&1 | tee -a "$OUT/short_turns.log"
+step short-prefill && timeout "${SHORT_TESTS_S:-150}" python3 -m pytest -m gpu tests/gpu/test_chunk_graphs_cuda.py -q -s -p no:cacheprovider 2>&1 | tee -a "$OUT/short_prefill_gpu.log" | grep -E "rel err|passed|failed"
+step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_prefill_attention.py --tiles "" --chunks 1,16,32,64 --prefixes 512,2048,8192,30720 --short ${SHORT_FORMS:-16:32:512:64:4} 2>&1 | tee "$OUT/short_prefill.log"
+step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_prefill_attention.py --tiles "" --chunks 16,64,2048 --prefixes 8192,30720 --short ${SHORT_FORMS:-16:32:512:64:4} --decoding 8 --empty 56 2>&1 | tee -a "$OUT/short_prefill.log"
+step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_short_turns.py gpt-oss-120b --layers 12 --history 512,30720 --turns 16,32,512 2>&1 | tee "$OUT/short_turns.log"
+step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_short_turns.py glm-4.5v-fp8 --layers 12 --history 512,30720 --turns 16,32,512 2>&1 | tee -a "$OUT/short_turns.log"
 exit 0

@@ -39,8 +39,8 @@ PROGRAMS_PER_SM = 8
 # GLM-4.5V's 12: its 64-query chunks ran 0-50% slower here than on the paged kernel, whose wider
 # tiles do better once the rows fill them), the keys split in parts of at least SHORT_SPLIT_KEYS
 # (512: up to 35% faster than parts of 1024 after 512-8192 keys, as fast after 30K, 3-12% slower in
-# two cases of 32-64 queries), at most
-# SHORT_MAX_SPLITS parts (BENCHMARKS.md, "Short chunks after long contexts").
+# two cases of 32-64 queries), at most SHORT_MAX_SPLITS parts (BENCHMARKS.md, "Short chunks after
+# long contexts").
 SHORT_MAX_ROWS = 512
 SHORT_SPLIT_KEYS = 512
 SHORT_MAX_SPLITS = 16

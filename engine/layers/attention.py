@@ -34,10 +34,10 @@ from .linear import concat_rows, linear, linear_takes_e4m3
 log = logging.getLogger(__name__)
 # Whether steps of a few queries a sequence take the short-chunk kernel (kernels/attention_short.py)
 # rather than the paged one, in captured chunk graphs and eagerly, in full-attention layers (a
-# window's 128 keys are the paged kernel's: 7 against 10-15 us). On an H100 a 16-token turn after
-# 30K tokens reached its first token 1.7x sooner alone and 2-3.6x beside 8 answering chats, with
-# no case after 512-2048 tokens more than 4% slower (BENCHMARKS.md, "Short chunks after long
-# contexts"): a graph cannot see the context, so it takes this kernel for every context.
+# window's 128 keys are the paged kernel's: 7-8 against 8-14 us). On an H100 a 16-token turn after
+# 30K tokens reached its first token 1.7-1.8x sooner alone and 2.0-4.7x beside 8 answering chats;
+# after 512 tokens, where a chunk graph (which cannot see the context) takes it too, turns read
+# within 6% of the paged kernel (BENCHMARKS.md, "Short chunks after long contexts").
 SHORT_CHUNK_KERNEL = True
 # Devices where a cuDNN prefill call raised (a shape its build refuses, a workspace that did not
 # fit): every later prefill there takes the paged kernel.
