@@ -1,8 +1,9 @@
 """Short turns late in long conversations, through the Engine (random weights in the native format,
-on the GPU): the engine's choice of attention kernels (the short-chunk kernel,
-kernels/attention_short.py, for steps of a few queries a sequence and for the decoding rows beside
-a long chunk) against the paged prefill kernel for every prefill step, in one process, in turns
-(each with its own captured chunk graphs):
+on the GPU): the engine's choice of attention kernels ("engine's choice": the short-chunk kernel,
+kernels/attention_short.py, for full-attention steps of a few queries a sequence, the decode or
+short-chunk kernel for the decoding rows beside a long chunk) against the paged prefill kernel for
+every prefill step ("paged only"), in one process, in turns (each with its own captured chunk
+graphs):
 - a turn of N tokens after a conversation of H tokens held in the prefix cache: its first token;
 - the same turn arriving while `--answering` chats of H tokens decode: its first token, and the
   longest gap between the answering chats' tokens meanwhile.
@@ -76,7 +77,8 @@ def main() -> None:
                 alone = ttft_alone(engine, h, n, args.reps)
                 ttft, gap = first_token_beside_answers(engine, lambda: turn(h, n), lambda: turn(h, 16, 400),
                                                        args.answering, args.reps)
-                print(f"  {kernel:5s} kernel, {n:3d}-token turn after {h:5d}: first token alone {alone * 1e3:7.2f} ms; "
+                label = "engine's choice" if kernel == "short" else "paged only"
+                print(f"  {label:15s}, {n:3d}-token turn after {h:5d}: first token alone {alone * 1e3:7.2f} ms; "
                       f"beside {args.answering} answering chats of {h}: {ttft * 1e3:7.2f} ms, their longest gap "
                       f"{gap * 1e3:7.2f} ms", flush=True)
     attention_layer.SHORT_CHUNK_KERNEL, attention_layer.MIXED_SPLIT_MIN_KEYS = default
