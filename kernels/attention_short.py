@@ -17,8 +17,10 @@ a short context takes one part where a long one takes many.
 
 `short_prefill_attention` has paged_prefill_attention's signature (plus its own tile options);
 `short_prefill_attention_ref` is the same reference. The engine (engine/layers/attention.py) gives
-it the decoding sequences at long contexts of a step that also reads a long chunk, and, with
-SHORT_CHUNK_KERNEL on, steps of a few queries a sequence (`short_prefill_queries`).
+it full-attention steps of a few queries a sequence (`short_prefill_queries`; in chunk graphs
+whatever the context, eagerly past SHORT_SPLIT_KEYS keys), and the leading sequences of a few
+queries at long contexts of a step that also reads a long chunk where they are not all single
+queries (those take the decode kernel).
 """
 from __future__ import annotations
 
