@@ -9,7 +9,7 @@ graphs):
   longest gap between the answering chats' tokens meanwhile.
 
     python bench/bench_short_turns.py MODEL [--layers N] [--history 2048,8192,30720] [--turns 16,64]
-        [--answering 8] [--reps 3]
+        [--answering 8] [--reps 3] [--shared]
 
 Medians over --reps turns; every conversation of one history length shares its first H tokens,
 so the cache holds them once; each turn's own tokens are new.
@@ -43,6 +43,8 @@ def main() -> None:
     p.add_argument("--turns", default="16,64", help="tokens of the turn")
     p.add_argument("--answering", type=int, default=8)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--shared", action="store_true", help="the engine's choice with SHARED_CAPTURED_STEPS on: "
+                   "graph steps past the short-chunk kernel's bound share their sequences between both kernels")
     args = p.parse_args()
     histories = [int(v) for v in args.history.split(",")]
     turns = [int(v) for v in args.turns.split(",")]
@@ -55,6 +57,7 @@ def main() -> None:
     default = attention_layer.SHORT_CHUNK_KERNEL, attention_layer.MIXED_SPLIT_MIN_KEYS
     paged_only = False, 1 << 62  # the switch off, and no step cut
     attention_layer.SHORT_CHUNK_KERNEL = True  # the warmup's graphs hold the short-chunk kernel
+    attention_layer.SHARED_CAPTURED_STEPS = args.shared or attention_layer.SHARED_CAPTURED_STEPS
     seconds = engine.warmup()
     short_graphs = engine.runner.chunks
     paged_graphs = ChunkGraphs(model, engine.cache, short_graphs.dtype, short_graphs.device, **short_graphs.shape)

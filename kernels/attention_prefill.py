@@ -66,7 +66,7 @@ def _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, hi, pos, window
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, cu_ptr, sinks_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
-                    stride_vb, stride_vs, stride_vh, stride_tb, qk_scale, window, block_size,
+                    stride_vb, stride_vs, stride_vh, stride_tb, qk_scale, window, block_size, skip_up_to,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Program (head, sequence, query tile), the tiles last first: under the causal mask the last
@@ -76,7 +76,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, cu_ptr, 
     tile = tl.num_programs(2) - 1 - tl.program_id(2)
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
-    if tile * BLOCK_M >= q_len:
+    if tile * BLOCK_M >= q_len or q_len <= skip_up_to:
         return
     ctx = tl.load(lens_ptr + b)
     kvh = h // G
@@ -123,12 +123,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             max_q_len: int, scale: float, sinks: torch.Tensor | None = None,
                             window: int | None = None, block_m: int | None = None, block_n: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, skip_up_to: int = 0) -> torch.Tensor:
     """q [Tq, Hq, D] (sequences packed by cu_seqlens_q [B+1] int32), caches [num_blocks,
     block_size, Hkv, D], block_tables [B, max_blocks] int32, context_lens [B] int32 (prefix +
     chunk), max_q_len: the longest chunk (host int). Returns [Tq, Hq, D] in q.dtype (written into
     `out` when given). block_m / block_n: queries / keys a tile; num_warps, num_stages: the
-    launch's; each left None takes prefill_tile's choice."""
+    launch's; each left None takes prefill_tile's choice. skip_up_to: sequences of at most this
+    many queries are left to another call (their rows of `out` untouched), decided on the device,
+    so a captured graph can share its batch between two kernels."""
     tq, hq, d = q.shape
     tile = prefill_tile(d, window, gpu_arch(q.device).shared_memory)
     block_m, block_n, num_warps, num_stages = (given if given is not None else chosen for given, chosen in
@@ -145,17 +147,19 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, sinks if sinks is not None else q,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        scale * LOG2E, window or 0, block_size, G=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        scale * LOG2E, window or 0, block_size, skip_up_to, G=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SINKS=sinks is not None, HAS_WINDOW=window is not None, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len, scale,
                                 sinks=None, window=None, block_m=None, block_n=None, num_warps=None,
-                                num_stages=None, out=None) -> torch.Tensor:
+                                num_stages=None, out=None, skip_up_to=0) -> torch.Tensor:
     out = torch.empty_like(q) if out is None else out
     for b in range(cu_seqlens_q.numel() - 1):
         s, e = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        if e - s <= skip_up_to:
+            continue
         ctx = int(context_lens[b])
         k, v = gather_paged(k_cache, block_tables[b], ctx), gather_paged(v_cache, block_tables[b], ctx)
         pos = torch.arange(ctx - (e - s), ctx, device=q.device)

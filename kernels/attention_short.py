@@ -123,16 +123,17 @@ def _short_tile(q_ptr, k_ptr, v_ptr, table_row, mid_o_ptr, mid_ml_ptr, sinks_ptr
 def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid_o_ptr, mid_ml_ptr, sinks_ptr,
                           out_ptr, counts_ptr, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
                           stride_vs, stride_vh, stride_tb, stride_ot, stride_oh, HQ, qk_scale, window, block_size,
-                          num_seqs, split_keys, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, B_PAD: tl.constexpr,
+                          num_seqs, split_keys, longest_taken, G: tl.constexpr, D: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, B_PAD: tl.constexpr,
                           HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Program (p, KV head): the work items p, p + P, p + 2P, ... of the whole batch (P programs).
 
     Every program lists the items from the query starts and context lengths alone: sequence b has
-    cdiv(q_len * G, BLOCK_M) row tiles, each split `used_b` ways (its keys over split_keys, at
-    least 1, at most NUM_SPLITS; split_keys 0: NUM_SPLITS), and items are numbered sequence by
-    sequence, tile by tile. So the grid depends on no length: a CUDA graph holds it, sequences with
-    no queries cost nothing, and a short context takes one split that finishes its own rows."""
+    cdiv(q_len * G, BLOCK_M) row tiles (none past longest_taken queries: another call's), each
+    split `used_b` ways (its keys over split_keys, at least 1, at most NUM_SPLITS; split_keys 0:
+    NUM_SPLITS), and items are numbered sequence by sequence, tile by tile. So the grid depends on
+    no length: a CUDA graph holds it, sequences with no queries cost nothing, and a short context
+    takes one split that finishes its own rows."""
     kvh = tl.program_id(1)
     seq = tl.arange(0, B_PAD)
     in_batch = seq < num_seqs
@@ -145,7 +146,7 @@ def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid
     used = tl.full((B_PAD,), NUM_SPLITS, tl.int32)
     if split_keys > 0:
         used = tl.minimum(tl.maximum(tl.cdiv(keys, split_keys), 1), NUM_SPLITS)
-    items = tl.cdiv(q_lens * G, BLOCK_M) * used
+    items = tl.where(q_lens <= longest_taken, tl.cdiv(q_lens * G, BLOCK_M) * used, 0)
     ends = tl.cumsum(items, 0)
     for w in range(tl.program_id(0), tl.sum(items, 0), tl.num_programs(0)):
         b = tl.sum((ends <= w).to(tl.int32), 0)
@@ -165,15 +166,18 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             max_q_len: int, scale: float, sinks: torch.Tensor | None = None,
                             window: int | None = None, num_splits: int = 8, split_keys: int = 0, block_m: int = 32,
                             block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                            programs: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                            programs: int | None = None, out: torch.Tensor | None = None,
+                            longest_taken: int | None = None) -> torch.Tensor:
     """q [Tq, Hq, D] (sequences packed by cu_seqlens_q [B+1] int32), caches [num_blocks, block_size,
     Hkv, D], block_tables [B, max_blocks] int32, context_lens [B] int32 (prefix + chunk), max_q_len:
     the longest chunk (host int). Returns [Tq, Hq, D] in q.dtype (written into `out` when given).
     num_splits: parts a row tile's keys are split into at most; split_keys: keys a part takes at
     least (a tile of fewer keys takes fewer parts; 0: always num_splits); block_m: (query, head)
     rows a tile; block_n: keys a step; programs: P, programs launched a KV head, each taking every
-    P-th work item (default: PROGRAMS_PER_SM an SM over all KV heads). The launches depend only on
-    the shapes and max_q_len, so a CUDA graph can hold them."""
+    P-th work item (default: PROGRAMS_PER_SM an SM over all KV heads). longest_taken: sequences
+    of more queries are left to another call (their rows of `out` untouched; max_q_len then bounds
+    only the sequences taken). The launches depend only on the shapes and max_q_len, so a CUDA
+    graph can hold them."""
     tq, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     if hq % hkv or d & (d - 1) or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -187,7 +191,9 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     parts = tq * hq * num_splits if num_splits > 1 else 1
     mid_o = torch.empty((parts, d), dtype=torch.float32, device=q.device)
     mid_ml = torch.empty((parts, 2), dtype=torch.float32, device=q.device)
-    counts = torch.empty((tq * hq if num_splits > 1 else 1,), dtype=torch.int32, device=q.device)
+    # rows of sequences left to another call must read as finished (0) in the combine
+    counts = (torch.empty if longest_taken is None else torch.zeros)((tq * hq if num_splits > 1 else 1,),
+                                                                     dtype=torch.int32, device=q.device)
     sinks_arg = sinks if sinks is not None else q
     # no more programs than the batch can have work items
     most_items = bsz * triton.cdiv(max_q_len * group, block_m) * num_splits
@@ -197,7 +203,8 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, mid_o, mid_ml, sinks_arg, out,
         counts, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), hq,
-        scale * LOG2E, window or 0, block_size, bsz, split_keys, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        scale * LOG2E, window or 0, block_size, bsz, split_keys,
+        max_q_len if longest_taken is None else longest_taken, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, B_PAD=max(16, triton.next_power_of_2(bsz)), HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
@@ -210,6 +217,15 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def short_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len, scale,
                                 sinks=None, window=None, num_splits=8, split_keys=0, block_m=32, block_n=64,
-                                num_warps=4, num_stages=2, programs=None, out=None) -> torch.Tensor:
-    return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len,
-                                       scale, sinks, window, out=out)
+                                num_warps=4, num_stages=2, programs=None, out=None, longest_taken=None
+                                ) -> torch.Tensor:
+    out = torch.empty_like(q) if out is None else out
+    if longest_taken is None:
+        return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len,
+                                           scale, sinks, window, out=out)
+    full = paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len,
+                                       scale, sinks, window)
+    for s, e in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
+        if e - s <= longest_taken:
+            out[s:e] = full[s:e]
+    return out

@@ -39,6 +39,14 @@ log = logging.getLogger(__name__)
 # after 512 tokens, where a chunk graph (which cannot see the context) takes it too, turns read
 # within 6% of the paged kernel (BENCHMARKS.md, "Short chunks after long contexts").
 SHORT_CHUNK_KERNEL = True
+# Whether a captured graph whose bucket is past the short-chunk kernel's bound shares its step on
+# the device: sequences of a few queries (decoding chats) on the short-chunk kernel, the others on
+# the paged one (each skipping the other's). Without it a graph step holding a 32-token GLM-4.5V
+# turn beside 8 chats decoding after 30K tokens gives their rows to the paged kernel, which walks
+# every key once per query head (85 ms against 18 ms for a 16-token turn, whose bucket fits the
+# bound; BENCHMARKS.md, "Short chunks after long contexts"). Off until timed on a GPU: it adds two
+# launches to every full-attention layer of such a step.
+SHARED_CAPTURED_STEPS = False
 # Devices where a cuDNN prefill call raised (a shape its build refuses, a workspace that did not
 # fit): every later prefill there takes the paged kernel.
 _cudnn_failed: set[torch.device] = set()
@@ -97,11 +105,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     few_queries = short_prefill_queries(q.shape[1], k_cache.shape[2])
     if batch.captured_query_len is not None:  # a captured graph: sized by its bounds, no host-planned path
         longest = batch.captured_query_len
+        splits = short_prefill_splits(tables.shape[1] * k_cache.shape[1])
         if takes_short and longest <= few_queries:
-            splits = short_prefill_splits(tables.shape[1] * k_cache.shape[1])
             return short_prefill_attention(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale,
                                            sinks, window, num_splits=splits, split_keys=SHORT_SPLIT_KEYS)
         prefill = paged_prefill_attention if on_gpu else paged_prefill_attention_ref
+        if takes_short and SHARED_CAPTURED_STEPS:
+            out = short_prefill_attention(q, k_cache, v_cache, tables, lens, batch.query_start, few_queries, scale,
+                                          sinks, window, num_splits=splits, split_keys=SHORT_SPLIT_KEYS,
+                                          longest_taken=few_queries)
+            return prefill(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks, window,
+                           out=out, skip_up_to=few_queries)
         return prefill(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks, window)
     starts = batch.query_start_host
     query_lens = [b - a for a, b in zip(starts, starts[1:])]

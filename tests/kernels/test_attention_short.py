@@ -48,3 +48,23 @@ def test_short_prefill_gpu(hq, hkv, d, sinks, chunk, prefix):
     best = min(splits, key=splits.get)
     print(f"\nshort prefill hq={hq} d={d}, {chunk} queries after {prefix} keys: paged kernel {paged:.0f} us, "
           f"packed {', '.join(f'{n} splits {t:.0f}' for n, t in splits.items())} us (best {paged / splits[best]:.1f}x)")
+
+
+@pytest.mark.parametrize("sinks,window", [(True, None), (False, 12)])
+def test_batch_shared_with_the_paged_kernel(sinks, window):
+    # a captured graph's step shared on the device: sequences of at most 4 queries here, longer ones
+    # (and none) on the paged kernel; each call leaves the other's rows as they were
+    from localchat.kernels.attention_prefill import paged_prefill_attention_ref
+
+    ctx_lens, q_lens = [40, 30, 9, 70, 3, 33], [1, 12, 4, 0, 2, 5]
+    args = prefill_case(ctx_lens, q_lens, 2, 3, 32, 8, torch.float32, sinks, window)
+    ref = short_prefill_attention_ref(*args)
+    starts = args[5].tolist()
+    few = torch.tensor([n <= 4 for s, e in zip(starts, starts[1:]) for n in [e - s] * (e - s)])
+    for short, paged in ((short_prefill_attention, paged_prefill_attention),
+                         (short_prefill_attention_ref, paged_prefill_attention_ref)):
+        out = torch.full_like(ref, float("nan"))
+        short(*args, num_splits=4, split_keys=16, block_m=16, block_n=16, out=out, longest_taken=4)
+        assert torch.isnan(out[~few]).all() and not torch.isnan(out[few]).any()
+        paged(*args, out=out, skip_up_to=4)
+        assert rel_err(out, ref) < TOL[torch.float32]
