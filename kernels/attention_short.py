@@ -20,7 +20,8 @@ a short context takes one part where a long one takes many.
 it full-attention steps of a few queries a sequence (`short_prefill_queries`; in chunk graphs
 whatever the context, eagerly past SHORT_SPLIT_KEYS keys), and the leading sequences of a few
 queries at long contexts of a step that also reads a long chunk where they are not all single
-queries (those take the decode kernel).
+queries (those take the decode kernel). With `longest_taken` it shares a batch with the paged
+kernel (its `skip_up_to`), each taking its own sequences, decided on the device.
 """
 from __future__ import annotations
 
