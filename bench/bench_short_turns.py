@@ -55,25 +55,24 @@ def main() -> None:
     engine = make_engine(spec, model, weight_bytes(weights), max(histories) + max(turns), 400,
                          args.answering + 1, 0, None, kv_tokens)
     default = attention_layer.SHORT_CHUNK_KERNEL, attention_layer.MIXED_SPLIT_MIN_KEYS
-    paged_only = False, 1 << 62  # the switch off, and no step cut
+    # (SHORT_CHUNK_KERNEL, MIXED_SPLIT_MIN_KEYS) of each side: paged only has the switch off and no step cut
+    routes = {"short": (True, default[1]), "paged": (False, 1 << 62)}
     attention_layer.SHORT_CHUNK_KERNEL = True  # the warmup's graphs hold the short-chunk kernel
     attention_layer.SHARED_CAPTURED_STEPS = args.shared or attention_layer.SHARED_CAPTURED_STEPS
     seconds = engine.warmup()
     short_graphs = engine.runner.chunks
     paged_graphs = ChunkGraphs(model, engine.cache, short_graphs.dtype, short_graphs.device, **short_graphs.shape)
-    attention_layer.SHORT_CHUNK_KERNEL, attention_layer.MIXED_SPLIT_MIN_KEYS = paged_only
+    attention_layer.SHORT_CHUNK_KERNEL, attention_layer.MIXED_SPLIT_MIN_KEYS = routes["paged"]
     engine.run_on_engine_thread(paged_graphs.capture_all)
     print(f"{args.model} ({spec.num_layers} layers): warmup {seconds:.1f} s, chunk graphs {short_graphs.sizes}, "
           f"the paged kernel's captured in {paged_graphs.capture_seconds:.2f} s", flush=True)
     for h in histories:  # the history into the prefix cache; compiles every shape the turns take
         for kernel in ("paged", "short"):
-            routes = (True, default[1]) if kernel == "short" else paged_only
-            attention_layer.SHORT_CHUNK_KERNEL, attention_layer.MIXED_SPLIT_MIN_KEYS = routes
+            attention_layer.SHORT_CHUNK_KERNEL, attention_layer.MIXED_SPLIT_MIN_KEYS = routes[kernel]
             for n in turns:
                 ttft_alone(engine, h, n, 1)
     for kernel in ("paged", "short", "paged", "short"):
-        routes = (True, default[1]) if kernel == "short" else paged_only
-        attention_layer.SHORT_CHUNK_KERNEL, attention_layer.MIXED_SPLIT_MIN_KEYS = routes
+        attention_layer.SHORT_CHUNK_KERNEL, attention_layer.MIXED_SPLIT_MIN_KEYS = routes[kernel]
         engine.runner.chunks = short_graphs if kernel == "short" else paged_graphs
         for h in histories:
             for n in turns:

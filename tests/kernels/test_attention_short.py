@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernel_checks import PREFILL_MASKS, TOL, cuda_time_us, prefill_case, rel_err
-from localchat.kernels.attention_prefill import paged_prefill_attention
+from localchat.kernels.attention_prefill import paged_prefill_attention, paged_prefill_attention_ref
 from localchat.kernels.attention_short import short_prefill_attention, short_prefill_attention_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,8 +54,6 @@ def test_short_prefill_gpu(hq, hkv, d, sinks, chunk, prefix):
 def test_batch_shared_with_the_paged_kernel(sinks, window):
     # a captured graph's step shared on the device: sequences of at most 4 queries here, longer ones
     # (and none) on the paged kernel; each call leaves the other's rows as they were
-    from localchat.kernels.attention_prefill import paged_prefill_attention_ref
-
     ctx_lens, q_lens = [40, 30, 9, 70, 3, 33], [1, 12, 4, 0, 2, 5]
     args = prefill_case(ctx_lens, q_lens, 2, 3, 32, 8, torch.float32, sinks, window)
     ref = short_prefill_attention_ref(*args)
