@@ -147,7 +147,7 @@ MXFP4_DOWN_REGISTERS = 160
 
 
 # Pairs an expert from which FP8 experts take e4m3 activations (the reasons at its use below).
-FP8_ACT_MIN_PAIRS = 16
+FP8_ACT_MIN_PAIRS = 8
 
 
 def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, elem_bytes: int = 2,
@@ -251,17 +251,19 @@ def default_config(num_pairs: int, num_experts: int, fmt: int, on_gpu: bool, ele
     else:
         # FP8 at 64 pairs per expert (GLM-4.5V, 1024 tokens): K step 128 2092 us, 64 2506 us
         cfg = MoeConfig(64, 128, 64 if fmt == FMT_DENSE else 128, 8, 3)
-    # FP8 weights from 16 pairs per expert: the activations quantised to e4m3 a row at a time and
+    # FP8 weights from 8 pairs per expert: the activations quantised to e4m3 a row at a time and
     # the dots FP8 x FP8, instead of the weights converted to bf16 in registers. H100, GLM-4.5V
     # shapes, channel / block scales (bench/bench_moe_prefill.py): 1024 tokens 2539 -> 1383 /
     # 2206 -> 1299 us, 4096 tokens 6762 -> 3215 / 5584 -> 2981 us; at 256 tokens (16 pairs per
     # expert) channel scales 844 -> 646 us of gate/up + down kernel time since the FP8 dots sum in
     # place (1124 -> 1189 before), block scales 1165 -> 967; at 64 tokens 960 -> 818 / 898 -> 898,
-    # mixed. At 8 and 12 pairs an expert the kernels are 10-15% shorter with e4m3 activations too,
-    # but an eager prefill that size waits on the host's launches (bench/profile_step.py --wall),
-    # which the two quantisation launches would lengthen, so they start at 16. Steps of up to 256
-    # tokens now replay chunk graphs, where launches cost no host time: whether 8 pays there is
-    # `bench/bench_chunk_graphs.py glm-4.5v-fp8 --prompts 128,240 --fp8-act-min-pairs 8` against 16.
+    # mixed. At 8 and 12 pairs an expert the kernels are 10-15% shorter with e4m3 activations too.
+    # Steps that size replay captured chunk graphs (engine/runtime/chunk_graphs.py), where the two
+    # quantisation launches cost no host time; there, on an H200 (GLM-4.5V-FP8, 12 layers,
+    # `bench/bench_chunk_graphs.py glm-4.5v-fp8 --layers 12 --fp8-act-min-pairs 8` against 16), a
+    # 128-token prompt (8-10 pairs an expert at its graph's token count) reached its first token
+    # in 7.0 ms against 9.2-9.4 alone and 9.4-9.5 against 12.3 beside 8 answering chats; 16, 64 and
+    # 240 tokens, whose graphs fall on the same side of both thresholds, within 5%.
     fp8_act = fmt in (FMT_FP8_ROW, FMT_FP8_BLK) and arch.fp8 and per_expert >= FP8_ACT_MIN_PAIRS
     # Pipelined tiles must fit in shared memory (227 KiB a program on Hopper, 99 KiB on Ada and
     # consumer Blackwell): fewer stages for wide (fp32) operands or a smaller GPU. Where the

@@ -22,16 +22,16 @@ def test_glm_fp8_decode_defaults():
         assert not default_config(9 * 16, 129, fmt, on_gpu=True).gemv  # above one pair per expert: tiles
 
 
-def test_glm_fp8_prefill_tiles_take_e4m3_activations_from_16_pairs_per_expert():
-    # FP8 x FP8 dots where the GPU has FP8 tensor cores (Ada, Hopper, Blackwell), from 16 pairs
+def test_glm_fp8_prefill_tiles_take_e4m3_activations_from_8_pairs_per_expert():
+    # FP8 x FP8 dots where the GPU has FP8 tensor cores (Ada, Hopper, Blackwell), from 8 pairs
     # an expert; the MXFP4 and bf16 experts never
     from localchat.kernels.gpu_facts import GpuArch
     from localchat.kernels.moe import FMT_DENSE, FMT_FP8_BLK, FMT_FP8_ROW, FMT_MXFP4, default_config
     hopper, ada, ampere = GpuArch((9, 0), 232448), GpuArch((8, 9), 101376), GpuArch((8, 0), 166912)
     for fmt in (FMT_FP8_ROW, FMT_FP8_BLK):
         for arch in (hopper, ada):
-            assert not default_config(8 * 255, 128, fmt, on_gpu=True, arch=arch).fp8_act  # 15.9 an expert
-            for t in (256, 1024, 8192):
+            assert not default_config(8 * 127, 128, fmt, on_gpu=True, arch=arch).fp8_act  # 7.9 an expert
+            for t in (128, 256, 1024, 8192):
                 cfg = default_config(8 * t, 128, fmt, on_gpu=True, arch=arch)
                 assert cfg.fp8_act and not cfg.gemv
         assert not default_config(8 * 1024, 128, fmt, on_gpu=True, arch=ampere).fp8_act
