@@ -9,7 +9,7 @@ graphs):
   longest gap between the answering chats' tokens meanwhile.
 
     python bench/bench_short_turns.py MODEL [--layers N] [--history 2048,8192,30720] [--turns 16,64]
-        [--answering 8] [--reps 3] [--shared]
+        [--answering 8] [--reps 3] [--shared on|off]
 
 Medians over --reps turns; every conversation of one history length shares its first H tokens,
 so the cache holds them once; each turn's own tokens are new.
@@ -43,8 +43,9 @@ def main() -> None:
     p.add_argument("--turns", default="16,64", help="tokens of the turn")
     p.add_argument("--answering", type=int, default=8)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--shared", action="store_true", help="the engine's choice with SHARED_CAPTURED_STEPS on: "
-                   "graph steps past the short-chunk kernel's bound share their sequences between both kernels")
+    p.add_argument("--shared", choices=("on", "off"), default=None,
+                   help="SHARED_CAPTURED_STEPS on the engine's side (default: the engine's own): whether graph "
+                        "steps past the short-chunk kernel's bound share their sequences between both kernels")
     args = p.parse_args()
     histories = [int(v) for v in args.history.split(",")]
     turns = [int(v) for v in args.turns.split(",")]
@@ -58,7 +59,8 @@ def main() -> None:
     # (SHORT_CHUNK_KERNEL, MIXED_SPLIT_MIN_KEYS) of each side: paged only has the switch off and no step cut
     routes = {"short": (True, default[1]), "paged": (False, 1 << 62)}
     attention_layer.SHORT_CHUNK_KERNEL = True  # the warmup's graphs hold the short-chunk kernel
-    attention_layer.SHARED_CAPTURED_STEPS = args.shared or attention_layer.SHARED_CAPTURED_STEPS
+    if args.shared is not None:
+        attention_layer.SHARED_CAPTURED_STEPS = args.shared == "on"
     seconds = engine.warmup()
     short_graphs = engine.runner.chunks
     paged_graphs = ChunkGraphs(model, engine.cache, short_graphs.dtype, short_graphs.device, **short_graphs.shape)

@@ -127,6 +127,6 @@ step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_prefill_atte
 step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_prefill_attention.py --tiles "" --chunks 16,64,2048 --prefixes 8192,30720 --short ${SHORT_FORMS:-16:32:512:64:4} --decoding 8 --empty 56 2>&1 | tee -a "$OUT/short_prefill.log"
 step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_short_turns.py gpt-oss-120b --layers 12 --history 512,30720 --turns 16,32,512 2>&1 | tee "$OUT/short_turns.log"
 step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_short_turns.py glm-4.5v-fp8 --layers 12 --history 512,30720 --turns 16,32,512 2>&1 | tee -a "$OUT/short_turns.log"
-# graph steps past the short-chunk kernel's bound shared between both kernels (SHARED_CAPTURED_STEPS)
-step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_short_turns.py glm-4.5v-fp8 --layers 12 --history 512,30720 --turns 32,64,100 --shared 2>&1 | tee -a "$OUT/short_turns.log"
+# graph steps past the short-chunk kernel's bound not shared between both kernels (SHARED_CAPTURED_STEPS off)
+step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_short_turns.py glm-4.5v-fp8 --layers 12 --history 512,30720 --turns 32,64,100 --shared off 2>&1 | tee -a "$OUT/short_turns.log"
 exit 0

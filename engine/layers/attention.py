@@ -41,12 +41,13 @@ log = logging.getLogger(__name__)
 SHORT_CHUNK_KERNEL = True
 # Whether a captured graph whose bucket is past the short-chunk kernel's bound shares its step on
 # the device: sequences of a few queries (decoding chats) on the short-chunk kernel, the others on
-# the paged one (each skipping the other's). Without it a graph step holding a 32-token GLM-4.5V
-# turn beside 8 chats decoding after 30K tokens gives their rows to the paged kernel, which walks
-# every key once per query head (85 ms against 18 ms for a 16-token turn, whose bucket fits the
-# bound; BENCHMARKS.md, "Short chunks after long contexts"). Off until timed on a GPU: it adds two
-# launches to every full-attention layer of such a step.
-SHARED_CAPTURED_STEPS = False
+# the paged one (each skipping the other's). Without it such a step gives the decoding chats' rows
+# to the paged kernel, which walks every key once per query head. On an H200, GLM-4.5V-FP8 (12
+# layers) beside 8 chats decoding after 30K tokens: a 32-token turn's first token 84-85 -> 19-20 ms,
+# 64 and 100 tokens 86-87 -> 26-27 ms (the paged kernel alone for reference); nothing slower,
+# after 512 tokens either, for the two launches it adds to each full-attention layer of such steps
+# (BENCHMARKS.md, "Short chunks after long contexts").
+SHARED_CAPTURED_STEPS = True
 # Devices where a cuDNN prefill call raised (a shape its build refuses, a workspace that did not
 # fit): every later prefill there takes the paged kernel.
 _cudnn_failed: set[torch.device] = set()
