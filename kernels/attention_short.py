@@ -6,8 +6,8 @@ a tile of 64-128 query rows. A chunk of a few tokens after a long context (a sho
 long chat) leaves most of those rows empty, and each of a KV head's G query heads walks the same
 keys (bench/NOTES-attention.md, "Short chunks after long contexts"). Here row r of a tile is query
 r // G of head kvh * G + r % G, so a chunk of n tokens fills n * G rows a KV head; and the keys up
-to a tile's last query are split into parts of at least `split_keys` keys (at most NUM_SPLITS), as
-the decode kernel splits them (attention_decode.py), whose combine launch merges the parts' partial
+to a tile's last query are split into parts of at least `split_keys` keys (at most NUM_SPLITS;
+longer where the batch has work enough for every program), as the decode kernel splits them (attention_decode.py), whose combine launch merges the parts' partial
 maxima, sums and rows and adds gpt-oss's sinks. A tile of one part finishes its rows itself.
 
 The grid is a fixed number of programs a KV head, each walking every P-th (sequence, tile, part)
@@ -53,6 +53,13 @@ SHORT_MAX_SPLITS = 16
 # 10-16 us on the decode kernel against the paged kernel's 177 / 256 (gpt-oss / GLM-4.5V heads,
 # H100; BENCHMARKS.md, "Short chunks after long contexts").
 MIXED_SPLIT_MIN_KEYS = 8192
+# Whether a batch with work enough for every program takes longer parts than SHORT_SPLIT_KEYS: an
+# even share of its (row tile x key) work over the programs left once each tile has one, so the
+# work items are no more than the programs and fewer parts are combined (a step of 8 decoding
+# chats and a short turn after 30K keys took 16 parts a tile, 1.7 rounds of the programs). Off
+# until timed on a GPU (`bench/bench_prefill_attention.py ... --short 16:32:512:64:4:8:2:1` against
+# `...:0`).
+EVEN_PARTS = False
 
 
 def short_prefill_splits(max_context: int) -> int:
@@ -126,13 +133,14 @@ def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid
                           stride_vs, stride_vh, stride_tb, stride_ot, stride_oh, HQ, qk_scale, window, block_size,
                           num_seqs, split_keys, longest_taken, G: tl.constexpr, D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, B_PAD: tl.constexpr,
-                          HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
+                          HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, BALANCED: tl.constexpr):
     """Program (p, KV head): the work items p, p + P, p + 2P, ... of the whole batch (P programs).
 
     Every program lists the items from the query starts and context lengths alone: sequence b has
     cdiv(q_len * G, BLOCK_M) row tiles (none past longest_taken queries: another call's), each
-    split `used_b` ways (its keys over split_keys, at least 1, at most NUM_SPLITS; split_keys 0:
-    NUM_SPLITS), and items are numbered sequence by sequence, tile by tile. So the grid depends on
+    split `used_b` ways (its keys over the part length, at least 1, at most NUM_SPLITS; the part
+    length is split_keys or, where more, the batch's tile-keys over the P programs less one a tile;
+    split_keys 0: NUM_SPLITS), and items are numbered sequence by sequence, tile by tile. So the grid depends on
     no length: a CUDA graph holds it, sequences with no queries cost nothing, and a short context
     takes one split that finishes its own rows."""
     kvh = tl.program_id(1)
@@ -144,10 +152,20 @@ def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid
     keys = ctxs
     if HAS_WINDOW:
         keys = tl.minimum(ctxs, window + q_lens - 1)
+    tiles = tl.where(q_lens <= longest_taken, tl.cdiv(q_lens * G, BLOCK_M), 0)
     used = tl.full((B_PAD,), NUM_SPLITS, tl.int32)
     if split_keys > 0:
-        used = tl.minimum(tl.maximum(tl.cdiv(keys, split_keys), 1), NUM_SPLITS)
-    items = tl.where(q_lens <= longest_taken, tl.cdiv(q_lens * G, BLOCK_M) * used, 0)
+        # parts of at least split_keys keys, and no shorter than an even share of the batch's keys
+        # over the programs left once every tile has one: then the items are no more than the
+        # programs unless the tiles alone are (no second round for a few programs), and a batch with
+        # plenty of work takes fewer parts (less to combine)
+        part = split_keys
+        if BALANCED:
+            work = tl.sum(tiles.to(tl.int64) * keys, 0)
+            free = tl.maximum(tl.num_programs(0) - tl.sum(tiles, 0), 1)
+            part = tl.maximum(tl.cdiv(work, free), split_keys)
+        used = tl.minimum(tl.maximum(tl.cdiv(keys, part), 1), NUM_SPLITS).to(tl.int32)
+    items = tiles * used
     ends = tl.cumsum(items, 0)
     for w in range(tl.program_id(0), tl.sum(items, 0), tl.num_programs(0)):
         b = tl.sum((ends <= w).to(tl.int32), 0)
@@ -168,17 +186,19 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             window: int | None = None, num_splits: int = 8, split_keys: int = 0, block_m: int = 32,
                             block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                             programs: int | None = None, out: torch.Tensor | None = None,
-                            longest_taken: int | None = None) -> torch.Tensor:
+                            longest_taken: int | None = None, balanced_parts: bool | None = None) -> torch.Tensor:
     """q [Tq, Hq, D] (sequences packed by cu_seqlens_q [B+1] int32), caches [num_blocks, block_size,
     Hkv, D], block_tables [B, max_blocks] int32, context_lens [B] int32 (prefix + chunk), max_q_len:
     the longest chunk (host int). Returns [Tq, Hq, D] in q.dtype (written into `out` when given).
     num_splits: parts a row tile's keys are split into at most; split_keys: keys a part takes at
-    least (a tile of fewer keys takes fewer parts; 0: always num_splits); block_m: (query, head)
+    least (a tile of fewer keys takes fewer parts, and so does a batch with work enough for all
+    P programs; 0: always num_splits); block_m: (query, head)
     rows a tile; block_n: keys a step; programs: P, programs launched a KV head, each taking every
     P-th work item (default: PROGRAMS_PER_SM an SM over all KV heads). longest_taken: sequences
     of more queries are left to another call (their rows of `out` untouched; max_q_len then bounds
-    only the sequences taken). The launches depend only on the shapes and max_q_len, so a CUDA
-    graph can hold them."""
+    only the sequences taken). balanced_parts: whether parts lengthen to an even share of the
+    batch's work where that is more than split_keys (default EVEN_PARTS). The launches depend only
+    on the shapes and max_q_len, so a CUDA graph can hold them."""
     tq, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     if hq % hkv or d & (d - 1) or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -207,7 +227,8 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         scale * LOG2E, window or 0, block_size, bsz, split_keys,
         max_q_len if longest_taken is None else longest_taken, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, B_PAD=max(16, triton.next_power_of_2(bsz)), HAS_WINDOW=window is not None,
-        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages)
+        HAS_SINKS=sinks is not None, BALANCED=EVEN_PARTS if balanced_parts is None else balanced_parts,
+        num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _decode_combine_kernel[(tq, hq)](mid_o, mid_ml, sinks_arg, out, out.stride(0), out.stride(1), hq, D=d,
                                          NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits),
@@ -218,8 +239,8 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def short_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len, scale,
                                 sinks=None, window=None, num_splits=8, split_keys=0, block_m=32, block_n=64,
-                                num_warps=4, num_stages=2, programs=None, out=None, longest_taken=None
-                                ) -> torch.Tensor:
+                                num_warps=4, num_stages=2, programs=None, out=None, longest_taken=None,
+                                balanced_parts=None) -> torch.Tensor:
     out = torch.empty_like(q) if out is None else out
     if longest_taken is None:
         return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len,

@@ -35,6 +35,20 @@ def test_short_prefill_mixed_batch(sinks, window, programs):
     assert rel_err(out, short_prefill_attention_ref(*args)) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("programs,even", [(2, True), (9, True), (12, True), (40, True), (200, True), (9, False)])
+def test_short_prefill_parts_follow_the_batch(programs, even):
+    # six row tiles a KV head over 673 tile-keys, split_keys 16, up to 8 parts: with 200 programs
+    # parts of 16 keys (8, 3, 1, 8 and 6 parts: the cap, then by keys); with fewer the parts
+    # lengthen to the tile-keys over the programs left once each tile has one (40: parts of 20,
+    # 12: 113, 9: 225), down to one part a tile, each finishing its own rows (2); not evened, parts
+    # of 16 keys whatever the programs
+    ctx_lens, q_lens = [300, 41, 1, 200, 90], [1, 9, 1, 2, 1]
+    args = prefill_case(ctx_lens, q_lens, 2, 3, 32, 8, torch.float32, True, None)
+    out = short_prefill_attention(*args, num_splits=8, split_keys=16, block_m=16, block_n=16, programs=programs,
+                                  balanced_parts=even)
+    assert rel_err(out, short_prefill_attention_ref(*args)) < TOL[torch.float32]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq,hkv,d,sinks", [(64, 8, 64, True), (96, 8, 128, False)])
 @pytest.mark.parametrize("chunk,prefix", [(1, 8192), (16, 8192), (20, 30720), (64, 8192)])
