@@ -56,10 +56,12 @@ MIXED_SPLIT_MIN_KEYS = 8192
 # Whether a batch with work enough for every program takes longer parts than SHORT_SPLIT_KEYS: an
 # even share of its (row tile x key) work over the programs left once each tile has one, so the
 # work items are no more than the programs and fewer parts are combined (a step of 8 decoding
-# chats and a short turn after 30K keys took 16 parts a tile, 1.7 rounds of the programs). Off
-# until timed on a GPU (`bench/bench_prefill_attention.py ... --short 16:32:512:64:4:8:2:1` against
-# `...:0`).
-EVEN_PARTS = False
+# chats and a short turn after 30K keys took 16 parts a tile, 1.7 rounds of the programs). On an
+# H200, kernel alone from CUDA graphs: such steps (16-32 queries beside 8 one-query sequences after
+# 8K-30K keys) 4-9% shorter (GLM-4.5V 667 -> 614 us at 16 queries after 30K, gpt-oss 417 -> 400),
+# 32 GLM-4.5V queries alone 6% shorter, the rest within 1 us (BENCHMARKS.md, "Short chunks after
+# long contexts").
+EVEN_PARTS = True
 
 
 def short_prefill_splits(max_context: int) -> int:

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.gpu
 # step, no padding), and one padded from 107 to 112.
 # Bound on a padded step's logits against the eager step's: the kernels choose by the bucket's
 # token count, not the step's, and GLM-4.5V's FP8 experts take e4m3 activations from some size
-# on (about 4.6e-2 from bf16 ones, bench/NOTES-moe.md); measured on an H100: 0 for gpt-oss-120b,
-# 3.0e-2 for GLM-4.5V-FP8 at 227 -> 256 tokens. A padding row leaking into a real one is O(1).
+# on (about 4.6e-2 from bf16 ones, bench/NOTES-moe.md); measured: 0 for gpt-oss-120b, 3.0e-2 for
+# GLM-4.5V-FP8 at 227 -> 256 tokens while only the 256-token step took e4m3 activations (H100),
+# 0 since both do (H200). A padding row leaking into a real one is O(1).
 PADDED_TOLERANCE = {"gpt-oss-120b.json": 2e-2, "glm-4.5v-fp8.json": 8e-2}
 STEPS = [[(0, 100), (0, 37), (0, 90)],
          [(100, 1), (37, 1), (90, 60), (0, 2)],
@@ -27,11 +28,17 @@ STEPS = [[(0, 100), (0, 37), (0, 90)],
          [(102, 1), (39, 5), (151, 1), (15, 100)]]
 
 
-# Bound on an unpadded step's logits: with the short-chunk kernel on, a graph's full-attention
-# layers take it (the graph sees no context) while an eager step after these short contexts takes
-# the paged kernel, another order of the same sums (2.1e-3 / 7.0e-3 measured on an H100); with it
-# off both run the same kernels.
-SAME_SIZE_TOLERANCE = {True: 1.5e-2, False: 1e-3}
+# Bound on an unpadded step's logits with the short-chunk kernel off: both run the same kernels.
+SAME_SIZE_TOLERANCE = 1e-3
+# With it on, a graph's full-attention layers take it (the graph sees no context), past its bound
+# for the sequences of a few queries beside the paged kernel for the others, while an eager step
+# after these short contexts takes the paged kernel for all: another order of the same sums in
+# bf16, which the FP8 experts' routing and e4m3 rounding amplify in GLM-4.5V-FP8's logits. Measured
+# on an H200: gpt-oss-120b 0 to 2.1e-3, GLM-4.5V-FP8 7.1e-3 to 2.0e-2 on unpadded steps and 9.6e-2
+# padded, one row's argmax of 15 changed, the keys 3.3e-3 apart. A bound for every step, since each
+# may run other kernels than its eager twin; rows written by the wrong kernel or left unwritten
+# are O(1) and change most rows' argmax.
+SHORT_KERNEL_TOLERANCE = {"gpt-oss-120b.json": 2e-2, "glm-4.5v-fp8.json": 1.5e-1}
 
 
 @pytest.mark.parametrize("short_kernel", [True, False])
@@ -76,6 +83,10 @@ def test_chunk_graph_replay_matches_eager_steps(config, short_kernel, monkeypatc
           f"keys rel err {cache_err:.1e}; captured {sorted(chunks.graphs)} in {chunks.capture_seconds:.1f} s")
     assert sorted(chunks.graphs) == [16, 64, 112, 256] and chunks.replays == 4
     assert replayed.counters.chunk_graph_steps == 4
-    assert errors[1] < SAME_SIZE_TOLERANCE[short_kernel] and errors[2] < SAME_SIZE_TOLERANCE[short_kernel]
-    assert max(errors) < PADDED_TOLERANCE[config] and agree >= rows - 1
+    if short_kernel:
+        assert max(errors) < SHORT_KERNEL_TOLERANCE[config]
+    else:
+        assert errors[1] < SAME_SIZE_TOLERANCE and errors[2] < SAME_SIZE_TOLERANCE
+        assert max(errors) < PADDED_TOLERANCE[config]
+    assert agree >= rows - 1
     assert cache_err < 1e-2
