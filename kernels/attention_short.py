@@ -62,6 +62,11 @@ MIXED_SPLIT_MIN_KEYS = 8192
 # 32 GLM-4.5V queries alone 6% shorter, the rest within 1 us (BENCHMARKS.md, "Short chunks after
 # long contexts").
 EVEN_PARTS = True
+# Whether a row tile's key tiles wholly before its first query skip the causal test, as the paged
+# kernel's do (there 1.2-1.4x on full-attention layers together with its other changes): all but
+# the last tile or two of every part after a long context. Off until timed on a GPU
+# (`bench/bench_prefill_attention.py ... --short 16:32:512:64:4:8:2:1:1` against `...:1:0`).
+CLEAR_TILES = False
 
 
 def short_prefill_splits(max_context: int) -> int:
@@ -81,9 +86,11 @@ def _short_tile(q_ptr, k_ptr, v_ptr, table_row, mid_o_ptr, mid_ml_ptr, sinks_ptr
                 q_start, q_len, ctx, kvh, tile, split, used, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, HQ, qk_scale, window, block_size,
                 G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
+                NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+                CLEAR_TILES: tl.constexpr):
     """One work item: split `split` of `used` over the keys of row tile `tile` of one sequence's
-    chunk (q_len queries, the last of its ctx tokens) and KV head kvh."""
+    chunk (q_len queries, the last of its ctx tokens) and KV head kvh. CLEAR_TILES (no window):
+    the key tiles every row of the tile sees whole (before its first query) skip the causal test."""
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     r_mask = r < q_len * G
     i = r // G
@@ -108,7 +115,16 @@ def _short_tile(q_ptr, k_ptr, v_ptr, table_row, mid_o_ptr, mid_ml_ptr, sinks_ptr
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    for j0 in range(start, end, BLOCK_N):
+    masked_from = start
+    if CLEAR_TILES and not HAS_WINDOW:
+        # whole tiles of keys at or before the tile's first query position
+        first_pos = ctx - q_len + tile * BLOCK_M // G
+        masked_from = start + tl.maximum(tl.minimum(end, first_pos + 1) - start, 0) // BLOCK_N * BLOCK_N
+        for j0 in range(start, masked_from, BLOCK_N):
+            m, l, acc = _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, end, pos, window, block_size,
+                                     stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh, d,
+                                     BLOCK_N, False, HAS_WINDOW)
+    for j0 in range(masked_from, end, BLOCK_N):
         m, l, acc = _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, end, pos, window, block_size,
                                  stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh, d,
                                  BLOCK_N, True, HAS_WINDOW)
@@ -135,7 +151,8 @@ def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid
                           stride_vs, stride_vh, stride_tb, stride_ot, stride_oh, HQ, qk_scale, window, block_size,
                           num_seqs, split_keys, longest_taken, G: tl.constexpr, D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, B_PAD: tl.constexpr,
-                          HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, BALANCED: tl.constexpr):
+                          HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, BALANCED: tl.constexpr,
+                          CLEAR_TILES: tl.constexpr):
     """Program (p, KV head): the work items p, p + P, p + 2P, ... of the whole batch (P programs).
 
     Every program lists the items from the query starts and context lengths alone: sequence b has
@@ -179,7 +196,7 @@ def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid
                     tl.sum(tl.where(this, q_lens, 0), 0), tl.sum(tl.where(this, ctxs, 0), 0), kvh, j // u, j % u,
                     u, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_ot, stride_oh, HQ, qk_scale, window, block_size, G, D, BLOCK_M, BLOCK_N, NUM_SPLITS,
-                    HAS_WINDOW, HAS_SINKS)
+                    HAS_WINDOW, HAS_SINKS, CLEAR_TILES)
 
 
 def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -188,7 +205,8 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             window: int | None = None, num_splits: int = 8, split_keys: int = 0, block_m: int = 32,
                             block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                             programs: int | None = None, out: torch.Tensor | None = None,
-                            longest_taken: int | None = None, balanced_parts: bool | None = None) -> torch.Tensor:
+                            longest_taken: int | None = None, balanced_parts: bool | None = None,
+                            clear_tiles: bool | None = None) -> torch.Tensor:
     """q [Tq, Hq, D] (sequences packed by cu_seqlens_q [B+1] int32), caches [num_blocks, block_size,
     Hkv, D], block_tables [B, max_blocks] int32, context_lens [B] int32 (prefix + chunk), max_q_len:
     the longest chunk (host int). Returns [Tq, Hq, D] in q.dtype (written into `out` when given).
@@ -199,8 +217,10 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     P-th work item (default: PROGRAMS_PER_SM an SM over all KV heads). longest_taken: sequences
     of more queries are left to another call (their rows of `out` untouched; max_q_len then bounds
     only the sequences taken). balanced_parts: whether parts lengthen to an even share of the
-    batch's work where that is more than split_keys (default EVEN_PARTS). The launches depend only
-    on the shapes and max_q_len, so a CUDA graph can hold them."""
+    batch's work where that is more than split_keys (default EVEN_PARTS). clear_tiles: whether
+    key tiles before a row tile's first query skip the causal test (default CLEAR_TILES; no
+    effect with a window). The launches depend only on the shapes and max_q_len, so a CUDA graph
+    can hold them."""
     tq, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     if hq % hkv or d & (d - 1) or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -230,7 +250,7 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         max_q_len if longest_taken is None else longest_taken, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, B_PAD=max(16, triton.next_power_of_2(bsz)), HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, BALANCED=EVEN_PARTS if balanced_parts is None else balanced_parts,
-        num_warps=num_warps, num_stages=num_stages)
+        CLEAR_TILES=CLEAR_TILES if clear_tiles is None else clear_tiles, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _decode_combine_kernel[(tq, hq)](mid_o, mid_ml, sinks_arg, out, out.stride(0), out.stride(1), hq, D=d,
                                          NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits),
@@ -242,7 +262,7 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def short_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len, scale,
                                 sinks=None, window=None, num_splits=8, split_keys=0, block_m=32, block_n=64,
                                 num_warps=4, num_stages=2, programs=None, out=None, longest_taken=None,
-                                balanced_parts=None) -> torch.Tensor:
+                                balanced_parts=None, clear_tiles=None) -> torch.Tensor:
     out = torch.empty_like(q) if out is None else out
     if longest_taken is None:
         return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len,

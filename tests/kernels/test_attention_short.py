@@ -13,13 +13,16 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("sinks,window", PREFILL_MASKS)
 @pytest.mark.parametrize("num_splits,block_m,split_keys", [(1, 16, 0), (3, 16, 0), (4, 32, 0), (4, 16, 32)])
-def test_short_prefill_matches_reference(dtype, sinks, window, num_splits, block_m, split_keys):
+@pytest.mark.parametrize("clear_tiles", [False, True])
+def test_short_prefill_matches_reference(dtype, sinks, window, num_splits, block_m, split_keys, clear_tiles):
     # chunks of 3, 1, 6 and 5 queries after prefixes of 34, 19, 0 and 125 keys (pages of 8, 4 heads
     # a KV head, a chunk's rows spanning two row tiles of 16, splits with no key at all); with
-    # split_keys 32 the row tiles take 1 to 4 splits by their key count, some finishing their rows
+    # split_keys 32 the row tiles take 1 to 4 splits by their key count, some finishing their rows;
+    # clear_tiles: key tiles before a row tile's first query without the causal test (a part
+    # wholly before it, one whose last tile holds queries, a chunk with no key before it)
     args = prefill_case([37, 20, 6, 130], [3, 1, 6, 5], 2, 4, 32, 8, dtype, sinks, window)
     out = short_prefill_attention(*args, num_splits=num_splits, split_keys=split_keys, block_m=block_m,
-                                  block_n=16)
+                                  block_n=16, clear_tiles=clear_tiles)
     assert rel_err(out, short_prefill_attention_ref(*args)) < TOL[dtype]
 
 
