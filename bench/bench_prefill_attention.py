@@ -16,7 +16,9 @@ causal test, 0: with it, default the kernel's CLEAR_TILES), for a few queries af
 prefixes; there a one-query chunk is also timed on the decode kernel. --decoding N puts N more
 sequences of one query each (decoding chats, after the same prefix) in front of the chunk, as a
 mixed step holds them, and also times the decode kernel on those rows beside the chunk's own call;
---empty N puts N sequences of no query after it (the unused slots of a captured graph's batch):
+--empty N puts N sequences of no query after it (the unused slots of a captured graph's batch).
+With --decoding each short form is also timed twice over the whole batch, the one-query sequences
+on 16-row tiles, then the others (a captured graph's choice when the decode kernel can't be used):
     python bench/bench_prefill_attention.py --tiles "" --chunks 1,16,64 --prefixes 8192,30720 --short 4,8,16,32
     python bench/bench_prefill_attention.py --tiles "" --chunks 16 --prefixes 30720 --short 8,16 --decoding 8
 The Triton kernels are timed in replays of a CUDA graph of 20 calls (--eager: eager calls, host
@@ -128,6 +130,13 @@ def main() -> None:
                                     lambda *a, short=short: split_call(short, paged_prefill_attention, *a)))
                 extra_forms.append((f"decode kernel + short kernel, {label}",
                                     lambda *a, short=short: split_call(decode_rows, short, *a)))
+
+                def one_batch_twice(*a, kw=kw):
+                    """the one-query sequences on 16-row tiles, then the others, as a graph would"""
+                    out = short_form(*a, **{**kw, "block_m": 16}, longest_taken=1)
+                    return short_form(*a, **kw, fewest_taken=2, out=out)
+                extra_forms.append((f"short kernel twice in one batch, 16-row tiles for one query, {label}",
+                                    one_batch_twice))
         for label, fn in forms + extra_forms:
             try:
                 out = fn(*a)

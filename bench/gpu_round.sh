@@ -34,7 +34,8 @@
 # after 512-30K keys, beside 8 decoding sequences, and a short turn's first token after a long conversation,
 # bench/bench_short_turns.py), short-clear (the chunk-graph GPU test as bounded now, then the short-chunk
 # kernel with its key tiles before a tile's first query unmasked against masked, alone and beside 8
-# decoding sequences, CLEAR_TILES).
+# decoding sequences, CLEAR_TILES; beside them also the one-query sequences on 16-row tiles in a
+# launch of their own, ONE_QUERY_TILES in engine/layers/attention.py).
 # Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u

@@ -83,3 +83,24 @@ def test_batch_shared_with_the_paged_kernel(sinks, window):
         assert torch.isnan(out[~few]).all() and not torch.isnan(out[few]).any()
         paged(*args, out=out, skip_up_to=4)
         assert rel_err(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("sinks,window", [(True, None), (False, 12)])
+def test_batch_split_three_ways(sinks, window):
+    # one-query sequences on 16-row tiles, those of 2 to 4 queries on 32-row tiles, the longer ones
+    # (and none) on the paged kernel, three calls into one output, as a captured graph's step may
+    # divide them; each call writes its own rows only
+    ctx_lens, q_lens = [40, 30, 9, 70, 3, 33, 51], [1, 12, 4, 0, 2, 5, 1]
+    args = prefill_case(ctx_lens, q_lens, 2, 3, 32, 8, torch.float32, sinks, window)
+    ref = short_prefill_attention_ref(*args)
+    starts = args[5].tolist()
+    lens = torch.tensor([e - s for s, e in zip(starts, starts[1:]) for _ in range(e - s)])
+    for short, paged in ((short_prefill_attention, paged_prefill_attention),
+                         (short_prefill_attention_ref, paged_prefill_attention_ref)):
+        out = torch.full_like(ref, float("nan"))
+        short(*args, num_splits=4, split_keys=16, block_m=16, block_n=16, out=out, longest_taken=1)
+        assert torch.isnan(out[lens != 1]).all() and not torch.isnan(out[lens == 1]).any()
+        short(*args, num_splits=4, split_keys=16, block_m=32, block_n=16, out=out, longest_taken=4, fewest_taken=2)
+        assert torch.isnan(out[lens > 4]).all() and not torch.isnan(out[lens <= 4]).any()
+        paged(*args, out=out, skip_up_to=4)
+        assert rel_err(out, ref) < TOL[torch.float32]
