@@ -193,8 +193,11 @@ def _health(engine: ChatEngine):
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
-    """A socket bound to (host, port) for the server, so that a busy port is reported before a
-    model spends minutes loading (and before the page's address is announced)."""
+    """A socket bound to (host, port) and listening, for the server, so that a busy port is reported
+    before a model spends minutes loading (and before the page's address is announced). Listening
+    from here on, a browser that asks before a server's thread has started (the page opened at once
+    on a busy machine), or while the startup page hands the socket to the chat page, waits in the
+    backlog instead of being refused."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -211,6 +214,7 @@ def bind_listener(host: str, port: int) -> socket.socket:
             raise ValueError(f"port {port} on {host} is already in use (another localchat?): pass --port with a "
                              "free port, or stop the program that holds it") from None
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)  # uvicorn's default backlog; its server listens on the socket again, which is harmless
     return sock
 
 

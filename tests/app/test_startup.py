@@ -87,6 +87,16 @@ def test_a_failure_waits_only_for_a_page_that_is_watching():
     assert 0.35 < time.monotonic() - start < 2
 
 
+def test_a_browser_asking_before_the_server_runs_waits_instead_of_being_refused():
+    # the page is opened as soon as the address is known; the server's thread may not have started
+    sock = bind_listener("127.0.0.1", 0)
+    try:
+        early = socket.create_connection(sock.getsockname(), timeout=5)
+        early.close()
+    finally:
+        sock.close()
+
+
 def test_the_socket_goes_from_the_startup_page_to_the_chat_page():
     import fastapi
     import uvicorn
