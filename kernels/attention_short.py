@@ -162,9 +162,8 @@ def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid
     another call's), each split `used_b` ways (its keys over the part length, at least 1, at most
     NUM_SPLITS; the part length is split_keys or, where more, the batch's tile-keys over the P
     programs less one a tile; split_keys 0: NUM_SPLITS), and items are numbered sequence by
-    sequence, tile by tile. So the grid depends on
-    no length: a CUDA graph holds it, sequences with no queries cost nothing, and a short context
-    takes one split that finishes its own rows."""
+    sequence, tile by tile. So the grid depends on no length: a CUDA graph holds it, sequences
+    with no queries cost nothing, and a short context takes one split that finishes its own rows."""
     kvh = tl.program_id(1)
     seq = tl.arange(0, B_PAD)
     in_batch = seq < num_seqs

@@ -128,13 +128,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     few_queries = short_prefill_queries(q.shape[1], k_cache.shape[2])
     if batch.captured_query_len is not None:  # a captured graph: sized by its bounds, no host-planned path
         longest = batch.captured_query_len
+        past_bound = longest > few_queries
         prefill = paged_prefill_attention if on_gpu else paged_prefill_attention_ref
-        if not takes_short or (longest > few_queries and not SHARED_CAPTURED_STEPS):
+        if not takes_short or (past_bound and not SHARED_CAPTURED_STEPS):
             return prefill(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks, window)
         splits = short_prefill_splits(tables.shape[1] * k_cache.shape[1])
         out = _captured_short_steps(q, k_cache, v_cache, tables, lens, batch.query_start, min(longest, few_queries),
-                                    longest > few_queries, scale, sinks, window, splits)
-        if longest > few_queries:
+                                    past_bound, scale, sinks, window, splits)
+        if past_bound:
             return prefill(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks, window,
                            out=out, skip_up_to=few_queries)
         return out
