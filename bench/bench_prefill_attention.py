@@ -6,19 +6,16 @@ SDPA on the same keys laid out contiguously (causal from the first key, so the f
 it has no sinks) is the baseline. --cudnn also times cuDNN's fused attention on keys gathered out of
 the pages, in two parts, prefix and chunk, gathers and merge included (kernels/attention_cudnn.py),
 and with no prefix also on the chunk's own keys where the engine has them (no gather).
---chunks sets the queries (several: each timed over every prefix). --short S[:BM[:K[:BN[:W[:P[:ST[:E[:C]]]]]]]],...
+--chunks sets the queries (several: each timed over every prefix). --short S[:BM[:K[:BN[:W[:P[:ST[:E]]]]]]],...
 also times the short-chunk kernel (kernels/attention_short.py: query heads packed into BM-row
 tiles, default 64, the keys split S ways, or fewer where a split would get under K keys, BN keys a
 step, default 64, W warps, default 4, P programs an SM, default the kernel's, ST pipeline stages,
 default 2, E 1: parts no shorter than an even share of the batch's work, 0: of K keys whatever the
-batch, default the kernel's EVEN_PARTS, C 1: key tiles before a tile's first query without the
-causal test, 0: with it, default the kernel's CLEAR_TILES), for a few queries after long
+batch, default the kernel's EVEN_PARTS), for a few queries after long
 prefixes; there a one-query chunk is also timed on the decode kernel. --decoding N puts N more
 sequences of one query each (decoding chats, after the same prefix) in front of the chunk, as a
 mixed step holds them, and also times the decode kernel on those rows beside the chunk's own call;
---empty N puts N sequences of no query after it (the unused slots of a captured graph's batch).
-With --decoding each short form is also timed twice over the whole batch, the one-query sequences
-on 16-row tiles, then the others (a captured graph's choice when the decode kernel can't be used):
+--empty N puts N sequences of no query after it (the unused slots of a captured graph's batch):
     python bench/bench_prefill_attention.py --tiles "" --chunks 1,16,64 --prefixes 8192,30720 --short 4,8,16,32
     python bench/bench_prefill_attention.py --tiles "" --chunks 16 --prefixes 30720 --short 8,16 --decoding 8
 The Triton kernels are timed in replays of a CUDA graph of 20 calls (--eager: eager calls, host
@@ -43,8 +40,7 @@ from kernel_checks import cuda_time_us, eager_time_ms, prefill_case, rel_err  # 
 from localchat.kernels.attention_cudnn import cudnn_prefill_attention  # noqa: E402
 from localchat.kernels.attention_decode import gather_paged, paged_decode_attention  # noqa: E402
 from localchat.kernels.attention_prefill import paged_prefill_attention  # noqa: E402
-from localchat.kernels.attention_short import (CLEAR_TILES, EVEN_PARTS, PROGRAMS_PER_SM,  # noqa: E402
-                                              short_prefill_attention)
+from localchat.kernels.attention_short import EVEN_PARTS, PROGRAMS_PER_SM, short_prefill_attention  # noqa: E402
 from localchat.kernels.gpu_facts import sm_count  # noqa: E402
 
 CASES = [("GLM-4.5V", 96, 8, 128, False, None), ("gpt-oss", 64, 8, 64, True, None),
@@ -58,7 +54,7 @@ def main() -> None:
     p.add_argument("--chunks", default="2048")
     p.add_argument("--prefixes", default="0,6144,30720")
     p.add_argument("--cudnn", action="store_true", help="also time cuDNN's attention on gathered keys (prefix, then chunk)")
-    p.add_argument("--short", default="", help="S[:BM[:K[:BN[:W[:P[:ST[:E[:C]]]]]]]],...: forms of the short-chunk "
+    p.add_argument("--short", default="", help="S[:BM[:K[:BN[:W[:P[:ST[:E]]]]]]],...: forms of the short-chunk "
                    "kernel to time")
     p.add_argument("--decoding", type=int, default=0, help="sequences of one query each beside the chunk")
     p.add_argument("--eager", action="store_true", help="time eager calls (host launch time included) instead "
@@ -80,14 +76,12 @@ def main() -> None:
     shorts = []
     for v in filter(None, args.short.split(",")):
         given = [int(x) for x in v.split(":")]
-        n, bm, sk, bn, w, per_sm, st, even, clear = (given + [64, 0, 64, 4, PROGRAMS_PER_SM, 2, int(EVEN_PARTS),
-                                                              int(CLEAR_TILES)][len(given) - 1:])
+        n, bm, sk, bn, w, per_sm, st, even = given + [64, 0, 64, 4, PROGRAMS_PER_SM, 2, int(EVEN_PARTS)][len(given) - 1:]
         shorts.append((f"{n} splits" + (f" of >= {sk} keys" if sk else "") + f", {bm}x{bn} tiles, {w} warps"
                        + (f", {per_sm} programs an SM" if per_sm != PROGRAMS_PER_SM else "")
-                       + (f", {st} stages" if st != 2 else "") + (", parts evened" if even else "")
-                       + (", clear tiles unmasked" if clear else ""),
+                       + (f", {st} stages" if st != 2 else "") + (", parts evened" if even else ""),
                        dict(num_splits=n, split_keys=sk, block_m=bm, block_n=bn, num_warps=w, num_stages=st,
-                            per_sm=per_sm, balanced_parts=bool(even), clear_tiles=bool(clear))))
+                            per_sm=per_sm, balanced_parts=bool(even))))
 
     def short_form(*a, per_sm, **kw):
         """short_prefill_attention with per_sm programs an SM over the case's KV heads"""
@@ -130,13 +124,6 @@ def main() -> None:
                                     lambda *a, short=short: split_call(short, paged_prefill_attention, *a)))
                 extra_forms.append((f"decode kernel + short kernel, {label}",
                                     lambda *a, short=short: split_call(decode_rows, short, *a)))
-
-                def one_batch_twice(*a, kw=kw):
-                    """the one-query sequences on 16-row tiles, then the others, as a graph would"""
-                    out = short_form(*a, **{**kw, "block_m": 16}, longest_taken=1)
-                    return short_form(*a, **kw, fewest_taken=2, out=out)
-                extra_forms.append((f"short kernel twice in one batch, 16-row tiles for one query, {label}",
-                                    one_batch_twice))
         for label, fn in forms + extra_forms:
             try:
                 out = fn(*a)

@@ -10,7 +10,6 @@ graphs):
 
     python bench/bench_short_turns.py MODEL [--layers N] [--history 2048,8192,30720] [--turns 16,64]
         [--answering 8] [--reps 3] [--shared on|off]
-        [--one-query-tiles on|off] [--clear-tiles on|off]
 
 Medians over --reps turns; every conversation of one history length shares its first H tokens,
 so the cache holds them once; each turn's own tokens are new.
@@ -22,7 +21,6 @@ import statistics
 
 from localchat.app.bench import _finals, _request, dummy_model, first_token_beside_answers, make_engine
 from localchat.engine.layers import attention as attention_layer
-from localchat.kernels import attention_short
 from localchat.engine.runtime.chunk_graphs import ChunkGraphs
 from localchat.engine.runtime.request import TextPart
 from localchat.engine.weights.loader import weight_bytes
@@ -48,12 +46,6 @@ def main() -> None:
     p.add_argument("--shared", choices=("on", "off"), default=None,
                    help="SHARED_CAPTURED_STEPS on the engine's side (default: the engine's own): whether graph "
                         "steps past the short-chunk kernel's bound share their sequences between both kernels")
-    p.add_argument("--one-query-tiles", choices=("on", "off"), default=None,
-                   help="ONE_QUERY_TILES on the engine's side (default: the engine's own): a captured step's "
-                        "one-query sequences on 16-row tiles in a launch of their own")
-    p.add_argument("--clear-tiles", choices=("on", "off"), default=None,
-                   help="the short-chunk kernel's CLEAR_TILES (default: the kernel's own): key tiles before a "
-                        "row tile's first query without the causal test")
     args = p.parse_args()
     histories = [int(v) for v in args.history.split(",")]
     turns = [int(v) for v in args.turns.split(",")]
@@ -69,10 +61,6 @@ def main() -> None:
     attention_layer.SHORT_CHUNK_KERNEL = True  # the warmup's graphs hold the short-chunk kernel
     if args.shared is not None:
         attention_layer.SHARED_CAPTURED_STEPS = args.shared == "on"
-    if args.one_query_tiles is not None:
-        attention_layer.ONE_QUERY_TILES = args.one_query_tiles == "on"
-    if args.clear_tiles is not None:  # read by each launch, so the graphs captured below hold it
-        attention_short.CLEAR_TILES = args.clear_tiles == "on"
     seconds = engine.warmup()
     short_graphs = engine.runner.chunks
     paged_graphs = ChunkGraphs(model, engine.cache, short_graphs.dtype, short_graphs.device, **short_graphs.shape)

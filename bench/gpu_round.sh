@@ -32,11 +32,7 @@
 # graphs off and on, bench/bench_chunk_graphs.py), short-prefill (the short-chunk prefill kernel,
 # kernels/attention_short.py: its GPU tests, in the model too, then against the paged kernel at 1-256 queries
 # after 512-30K keys, beside 8 decoding sequences, and a short turn's first token after a long conversation,
-# bench/bench_short_turns.py), short-clear (the chunk-graph GPU test as bounded now, then the short-chunk
-# kernel with its key tiles before a tile's first query unmasked against masked, alone and beside 8
-# decoding sequences, CLEAR_TILES; beside them also the one-query sequences on 16-row tiles in a
-# launch of their own, ONE_QUERY_TILES in engine/layers/attention.py; then GLM-4.5V's short turns
-# after 30K tokens with both off and both on).
+# bench/bench_short_turns.py).
 # Logs go to $OUT.
 #   STEPS="runtime model serve" SERVE_ARGS="gpt-oss-20b --dummy --batch 1,8" bash bench/gpu_round.sh
 set -u
@@ -133,13 +129,4 @@ step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_short_turns.
 step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_short_turns.py glm-4.5v-fp8 --layers 12 --history 512,30720 --turns 16,32,512 2>&1 | tee -a "$OUT/short_turns.log"
 # graph steps past the short-chunk kernel's bound not shared between both kernels (SHARED_CAPTURED_STEPS off)
 step short-prefill && timeout "${SHORT_S:-150}" python3 bench/bench_short_turns.py glm-4.5v-fp8 --layers 12 --history 512,30720 --turns 32,64,100 --shared off 2>&1 | tee -a "$OUT/short_turns.log"
-# short-clear: CLEAR_TILES timed (kernels/attention_short.py)
-CLEAR_FORMS=16:32:512:64:4:8:2:1:1,16:32:512:64:4:8:2:1:0
-step short-clear && timeout "${SHORT_TESTS_S:-150}" python3 -m pytest -m gpu tests/gpu/test_chunk_graphs_cuda.py tests/kernels/test_attention_short.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/short_clear_gpu.log" | grep -E "rel err|short prefill|passed|failed"
-step short-clear && timeout "${SHORT_S:-150}" python3 bench/bench_prefill_attention.py --tiles "" --chunks 1,16,32 --prefixes 2048,8192,30720 --short $CLEAR_FORMS 2>&1 | tee "$OUT/short_clear.log"
-step short-clear && timeout "${SHORT_S:-150}" python3 bench/bench_prefill_attention.py --tiles "" --chunks 16,32 --prefixes 8192,30720 --decoding 8 --empty 56 --short $CLEAR_FORMS 2>&1 | tee -a "$OUT/short_clear.log"
-# through the engine, both off then both on (one process each; "paged only" is the same in both)
-for both in off on; do
-  step short-clear && timeout "${SHORT_S:-150}" python3 bench/bench_short_turns.py glm-4.5v-fp8 --layers 12 --history 30720 --turns 16,32 --one-query-tiles $both --clear-tiles $both 2>&1 | tee -a "$OUT/short_clear_turns.log"
-done
 exit 0

@@ -22,8 +22,7 @@ it full-attention steps of a few queries a sequence (`short_prefill_queries`; in
 whatever the context, eagerly past SHORT_SPLIT_KEYS keys), and the leading sequences of a few
 queries at long contexts of a step that also reads a long chunk where they are not all single
 queries (those take the decode kernel). With `longest_taken` it shares a batch with the paged
-kernel (its `skip_up_to`), each taking its own sequences, decided on the device; with
-`fewest_taken` too, with another launch of itself (one-query sequences on narrower tiles).
+kernel (its `skip_up_to`), each taking its own sequences, decided on the device.
 """
 from __future__ import annotations
 
@@ -64,11 +63,6 @@ MIXED_SPLIT_MIN_KEYS = 8192
 # 32 GLM-4.5V queries alone 6% shorter, the rest within 1 us (BENCHMARKS.md, "Short chunks after
 # long contexts").
 EVEN_PARTS = True
-# Whether a row tile's key tiles wholly before its first query skip the causal test, as the paged
-# kernel's do (there 1.2-1.4x on full-attention layers together with its other changes): all but
-# the last tile or two of every part after a long context. Off until timed on a GPU
-# (`bench/bench_prefill_attention.py ... --short 16:32:512:64:4:8:2:1:1` against `...:1:0`).
-CLEAR_TILES = False
 
 
 def short_prefill_splits(max_context: int) -> int:
@@ -88,11 +82,9 @@ def _short_tile(q_ptr, k_ptr, v_ptr, table_row, mid_o_ptr, mid_ml_ptr, sinks_ptr
                 q_start, q_len, ctx, kvh, tile, split, used, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_ot, stride_oh, HQ, qk_scale, window, block_size,
                 G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-                CLEAR_TILES: tl.constexpr):
+                NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
     """One work item: split `split` of `used` over the keys of row tile `tile` of one sequence's
-    chunk (q_len queries, the last of its ctx tokens) and KV head kvh. CLEAR_TILES (no window):
-    the key tiles every row of the tile sees whole (before its first query) skip the causal test."""
+    chunk (q_len queries, the last of its ctx tokens) and KV head kvh."""
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     r_mask = r < q_len * G
     i = r // G
@@ -117,16 +109,7 @@ def _short_tile(q_ptr, k_ptr, v_ptr, table_row, mid_o_ptr, mid_ml_ptr, sinks_ptr
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    masked_from = start
-    if CLEAR_TILES and not HAS_WINDOW:
-        # whole tiles of keys at or before the tile's first query position
-        first_pos = ctx - q_len + tile * BLOCK_M // G
-        masked_from = start + tl.maximum(tl.minimum(end, first_pos + 1) - start, 0) // BLOCK_N * BLOCK_N
-        for j0 in range(start, masked_from, BLOCK_N):
-            m, l, acc = _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, end, pos, window, block_size,
-                                     stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh, d,
-                                     BLOCK_N, False, HAS_WINDOW)
-    for j0 in range(masked_from, end, BLOCK_N):
+    for j0 in range(start, end, BLOCK_N):
         m, l, acc = _attend_keys(q, m, l, acc, k_ptr, v_ptr, table_row, kvh, j0, end, pos, window, block_size,
                                  stride_ks, stride_kb, stride_kh, stride_vb, stride_vs, stride_vh, d,
                                  BLOCK_N, True, HAS_WINDOW)
@@ -151,19 +134,18 @@ def _short_tile(q_ptr, k_ptr, v_ptr, table_row, mid_o_ptr, mid_ml_ptr, sinks_ptr
 def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid_o_ptr, mid_ml_ptr, sinks_ptr,
                           out_ptr, counts_ptr, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
                           stride_vs, stride_vh, stride_tb, stride_ot, stride_oh, HQ, qk_scale, window, block_size,
-                          num_seqs, split_keys, longest_taken, fewest_taken, G: tl.constexpr, D: tl.constexpr,
+                          num_seqs, split_keys, longest_taken, G: tl.constexpr, D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, B_PAD: tl.constexpr,
-                          HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, BALANCED: tl.constexpr,
-                          CLEAR_TILES: tl.constexpr):
+                          HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, BALANCED: tl.constexpr):
     """Program (p, KV head): the work items p, p + P, p + 2P, ... of the whole batch (P programs).
 
     Every program lists the items from the query starts and context lengths alone: sequence b has
-    cdiv(q_len * G, BLOCK_M) row tiles (none past longest_taken queries or under fewest_taken:
-    another call's), each split `used_b` ways (its keys over the part length, at least 1, at most
-    NUM_SPLITS; the part length is split_keys or, where more, the batch's tile-keys over the P
-    programs less one a tile; split_keys 0: NUM_SPLITS), and items are numbered sequence by
-    sequence, tile by tile. So the grid depends on no length: a CUDA graph holds it, sequences
-    with no queries cost nothing, and a short context takes one split that finishes its own rows."""
+    cdiv(q_len * G, BLOCK_M) row tiles (none past longest_taken queries: another call's), each
+    split `used_b` ways (its keys over the part length, at least 1, at most NUM_SPLITS; the part
+    length is split_keys or, where more, the batch's tile-keys over the P programs less one a tile;
+    split_keys 0: NUM_SPLITS), and items are numbered sequence by sequence, tile by tile. So the
+    grid depends on no length: a CUDA graph holds it, sequences with no queries cost nothing, and a
+    short context takes one split that finishes its own rows."""
     kvh = tl.program_id(1)
     seq = tl.arange(0, B_PAD)
     in_batch = seq < num_seqs
@@ -173,7 +155,7 @@ def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid
     keys = ctxs
     if HAS_WINDOW:
         keys = tl.minimum(ctxs, window + q_lens - 1)
-    tiles = tl.where((q_lens <= longest_taken) & (q_lens >= fewest_taken), tl.cdiv(q_lens * G, BLOCK_M), 0)
+    tiles = tl.where(q_lens <= longest_taken, tl.cdiv(q_lens * G, BLOCK_M), 0)
     used = tl.full((B_PAD,), NUM_SPLITS, tl.int32)
     if split_keys > 0:
         # parts of at least split_keys keys, and no shorter than an even share of the batch's keys
@@ -198,7 +180,7 @@ def _short_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, cu_ptr, mid
                     tl.sum(tl.where(this, q_lens, 0), 0), tl.sum(tl.where(this, ctxs, 0), 0), kvh, j // u, j % u,
                     u, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_ot, stride_oh, HQ, qk_scale, window, block_size, G, D, BLOCK_M, BLOCK_N, NUM_SPLITS,
-                    HAS_WINDOW, HAS_SINKS, CLEAR_TILES)
+                    HAS_WINDOW, HAS_SINKS)
 
 
 def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -207,8 +189,7 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             window: int | None = None, num_splits: int = 8, split_keys: int = 0, block_m: int = 32,
                             block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                             programs: int | None = None, out: torch.Tensor | None = None,
-                            longest_taken: int | None = None, balanced_parts: bool | None = None,
-                            clear_tiles: bool | None = None, fewest_taken: int = 1) -> torch.Tensor:
+                            longest_taken: int | None = None, balanced_parts: bool | None = None) -> torch.Tensor:
     """q [Tq, Hq, D] (sequences packed by cu_seqlens_q [B+1] int32), caches [num_blocks, block_size,
     Hkv, D], block_tables [B, max_blocks] int32, context_lens [B] int32 (prefix + chunk), max_q_len:
     the longest chunk (host int). Returns [Tq, Hq, D] in q.dtype (written into `out` when given).
@@ -216,13 +197,11 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     least (a tile of fewer keys takes fewer parts, and so does a batch with work enough for all
     P programs; 0: always num_splits); block_m: (query, head)
     rows a tile; block_n: keys a step; programs: P, programs launched a KV head, each taking every
-    P-th work item (default: PROGRAMS_PER_SM an SM over all KV heads). longest_taken,
-    fewest_taken: sequences of more or of fewer queries are left to another call (their rows of
-    `out` untouched; max_q_len then bounds only the sequences taken). balanced_parts: whether
-    parts lengthen to an even share of the batch's work where that is more than split_keys
-    (default EVEN_PARTS). clear_tiles: whether key tiles before a row tile's first query skip the
-    causal test (default CLEAR_TILES; no effect with a window). The launches depend only on the
-    shapes and max_q_len, so a CUDA graph can hold them."""
+    P-th work item (default: PROGRAMS_PER_SM an SM over all KV heads). longest_taken: sequences
+    of more queries are left to another call (their rows of `out` untouched; max_q_len then bounds
+    only the sequences taken). balanced_parts: whether parts lengthen to an even share of the
+    batch's work where that is more than split_keys (default EVEN_PARTS). The launches depend only
+    on the shapes and max_q_len, so a CUDA graph can hold them."""
     tq, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     if hq % hkv or d & (d - 1) or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -237,9 +216,8 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     mid_o = torch.empty((parts, d), dtype=torch.float32, device=q.device)
     mid_ml = torch.empty((parts, 2), dtype=torch.float32, device=q.device)
     # rows of sequences left to another call must read as finished (0) in the combine
-    shared = longest_taken is not None or fewest_taken > 1
-    counts = (torch.zeros if shared else torch.empty)((tq * hq if num_splits > 1 else 1,), dtype=torch.int32,
-                                                      device=q.device)
+    counts = (torch.empty if longest_taken is None else torch.zeros)((tq * hq if num_splits > 1 else 1,),
+                                                                     dtype=torch.int32, device=q.device)
     sinks_arg = sinks if sinks is not None else q
     # no more programs than the batch can have work items
     most_items = bsz * triton.cdiv(max_q_len * group, block_m) * num_splits
@@ -250,11 +228,10 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         counts, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), hq,
         scale * LOG2E, window or 0, block_size, bsz, split_keys,
-        max_q_len if longest_taken is None else longest_taken, fewest_taken, G=group, D=d, BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        max_q_len if longest_taken is None else longest_taken, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, B_PAD=max(16, triton.next_power_of_2(bsz)), HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, BALANCED=EVEN_PARTS if balanced_parts is None else balanced_parts,
-        CLEAR_TILES=CLEAR_TILES if clear_tiles is None else clear_tiles, num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _decode_combine_kernel[(tq, hq)](mid_o, mid_ml, sinks_arg, out, out.stride(0), out.stride(1), hq, D=d,
                                          NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits),
@@ -266,15 +243,14 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def short_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len, scale,
                                 sinks=None, window=None, num_splits=8, split_keys=0, block_m=32, block_n=64,
                                 num_warps=4, num_stages=2, programs=None, out=None, longest_taken=None,
-                                balanced_parts=None, clear_tiles=None, fewest_taken=1) -> torch.Tensor:
+                                balanced_parts=None) -> torch.Tensor:
     out = torch.empty_like(q) if out is None else out
-    if longest_taken is None and fewest_taken <= 1:
+    if longest_taken is None:
         return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len,
                                            scale, sinks, window, out=out)
-    longest = max_q_len if longest_taken is None else longest_taken
     full = paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_q_len,
                                        scale, sinks, window)
     for s, e in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
-        if fewest_taken <= e - s <= longest:
+        if e - s <= longest_taken:
             out[s:e] = full[s:e]
     return out

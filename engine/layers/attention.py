@@ -48,13 +48,6 @@ SHORT_CHUNK_KERNEL = True
 # after 512 tokens either, for the two launches it adds to each full-attention layer of such steps
 # (BENCHMARKS.md, "Short chunks after long contexts").
 SHARED_CAPTURED_STEPS = True
-# Whether a captured graph's one-query sequences (decoding chats beside a short turn) take the
-# short-chunk kernel on 16-row tiles in a launch of their own, ahead of the other sequences on its
-# 32-row tiles, where one query's 8 or 12 rows fill a third to a half of a tile. The decode kernel,
-# which carries them 1.2-1.6x faster there (BENCHMARKS.md, "Short chunks after long contexts"), fixes
-# its splits by the batch size, which a graph step's decoding rows do not have. Off until timed
-# (`bench/bench_prefill_attention.py ... --decoding 8`: "short kernel twice in one batch").
-ONE_QUERY_TILES = False
 # Devices where a cuDNN prefill call raised (a shape its build refuses, a workspace that did not
 # fit): every later prefill there takes the paged kernel.
 _cudnn_failed: set[torch.device] = set()
@@ -93,21 +86,6 @@ def _through_cudnn(q, k_cache, v_cache, tables, batch, query_lens: list[int], sc
         return None
 
 
-def _captured_short_steps(q, k_cache, v_cache, tables, lens, query_start, taken: int, others: bool, scale: float,
-                          sinks, window, splits: int) -> torch.Tensor:
-    """A captured graph's sequences of up to `taken` queries on the short-chunk kernel (others:
-    the step may hold longer ones, left to another call); with ONE_QUERY_TILES the one-query
-    sequences go first, on 16-row tiles."""
-    kw = dict(num_splits=splits, split_keys=SHORT_SPLIT_KEYS)
-    if not ONE_QUERY_TILES:
-        return short_prefill_attention(q, k_cache, v_cache, tables, lens, query_start, taken, scale, sinks, window,
-                                       longest_taken=taken if others else None, **kw)
-    out = short_prefill_attention(q, k_cache, v_cache, tables, lens, query_start, 1, scale, sinks, window,
-                                  block_m=16, longest_taken=1, **kw)
-    return short_prefill_attention(q, k_cache, v_cache, tables, lens, query_start, taken, scale, sinks, window,
-                                   out=out, longest_taken=taken, fewest_taken=2, **kw)
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
                     scale: float, sinks: torch.Tensor | None = None, window: int | None = None,
                     tables: torch.Tensor | None = None, new_keys: torch.Tensor | None = None,
@@ -133,8 +111,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if not takes_short or (past_bound and not SHARED_CAPTURED_STEPS):
             return prefill(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks, window)
         splits = short_prefill_splits(tables.shape[1] * k_cache.shape[1])
-        out = _captured_short_steps(q, k_cache, v_cache, tables, lens, batch.query_start, min(longest, few_queries),
-                                    past_bound, scale, sinks, window, splits)
+        out = short_prefill_attention(q, k_cache, v_cache, tables, lens, batch.query_start, min(longest, few_queries),
+                                      scale, sinks, window, num_splits=splits, split_keys=SHORT_SPLIT_KEYS,
+                                      longest_taken=few_queries if past_bound else None)
         if past_bound:
             return prefill(q, k_cache, v_cache, tables, lens, batch.query_start, longest, scale, sinks, window,
                            out=out, skip_up_to=few_queries)

@@ -185,18 +185,13 @@ CASES += [
     ("prefill attention, gpt-oss, 128x64 tiles", _prefill_kernel, PREFILL_ATTENTION,
      dict(G=8, D=64, BLOCK_M=128, BLOCK_N=64, HAS_SINKS=True, HAS_WINDOW=False), 8, 3),
     # short chunks after long contexts: query heads packed into the rows, keys split (and one split)
-    # (the launcher's 32 x 64 tiles on 4 warps; parts evened over the programs, and not; the key
-    # tiles before the first query without the causal test)
+    # (the launcher's 32 x 64 tiles on 4 warps; parts evened over the programs, and not)
     ("short-chunk prefill attention, GLM-4.5V, 16 splits", _short_prefill_kernel, SHORT_PREFILL,
      dict(G=12, D=128, BLOCK_M=32, BLOCK_N=64, NUM_SPLITS=16, B_PAD=128, HAS_WINDOW=False, HAS_SINKS=False,
-          BALANCED=True, CLEAR_TILES=True), 4, 2),
+          BALANCED=True), 4, 2),
     ("short-chunk prefill attention, gpt-oss, one split", _short_prefill_kernel, SHORT_PREFILL,
      dict(G=8, D=64, BLOCK_M=32, BLOCK_N=64, NUM_SPLITS=1, B_PAD=16, HAS_WINDOW=True, HAS_SINKS=True,
-          BALANCED=False, CLEAR_TILES=False), 4, 2),
-    # one-query sequences on 16-row tiles (a captured step's decoding chats, ONE_QUERY_TILES)
-    ("short-chunk prefill attention, GLM-4.5V, one query on 16-row tiles", _short_prefill_kernel, SHORT_PREFILL,
-     dict(G=12, D=128, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=16, B_PAD=128, HAS_WINDOW=False, HAS_SINKS=False,
-          BALANCED=True, CLEAR_TILES=True), 4, 2),
+          BALANCED=False), 4, 2),
     ("FP8 activations per token and 128 columns", _quant_groups_kernel,
      _types({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}), dict(BLOCK_G=8), 4, 1),
     ("FP8 activations per token", _quant_rows_kernel,

@@ -84,19 +84,15 @@ def test_switched_off_only_the_cut_takes_the_short_kernel(layer_choices, monkeyp
     assert rel_err(out, paged_prefill_attention_ref(*args)) < float32_bound(q)
 
 
-@pytest.mark.parametrize("bound,window,shared,one_query,expect", [
-    (4, None, False, False, [("short", 4, 4)]), (8, None, False, False, [("paged", 4, 8)]),
-    (4, 12, False, False, [("paged", 4, 4)]), (8, None, True, False, [("short", 4, 4), ("paged", 4, 8)]),
-    (8, 12, True, False, [("paged", 4, 8)]), (4, None, False, True, [("short", 4, 1), ("short", 4, 4)]),
-    (8, None, True, True, [("short", 4, 1), ("short", 4, 4), ("paged", 4, 8)])])
-def test_captured_step_routes_by_its_bound(layer_choices, monkeypatch, bound, window, shared, one_query, expect):
+@pytest.mark.parametrize("bound,window,shared,expect", [
+    (4, None, False, [("short", 4, 4)]), (8, None, False, [("paged", 4, 8)]), (4, 12, False, [("paged", 4, 4)]),
+    (8, None, True, [("short", 4, 4), ("paged", 4, 8)]), (8, 12, True, [("paged", 4, 8)])])
+def test_captured_step_routes_by_its_bound(layer_choices, monkeypatch, bound, window, shared, expect):
     # a chunk graph's step: the bucket bounds every sequence's queries and the graph sees no context,
     # so full-attention layers take the short-chunk kernel up to its rows (4 queries here) whatever
     # the keys, with the parts the table's width allows; past them, shared on the device, the
-    # sequences of up to 4 queries on the short-chunk kernel and the others on the paged one; with
-    # ONE_QUERY_TILES the one-query sequences first, in a launch of their own
+    # sequences of up to 4 queries on the short-chunk kernel and the others on the paged one
     monkeypatch.setattr(attention_layer, "SHARED_CAPTURED_STEPS", shared)
-    monkeypatch.setattr(attention_layer, "ONE_QUERY_TILES", one_query)
     q_lens = [1, 4, 2, 0] if bound == 4 else [1, 4, 7, 2]
     args = prefill_case([60, 9, 75, 30], q_lens, 2, 3, 32, 8, torch.float32, True, window)
     q, k, v, tables, ctx, cu, longest, scale, s, window = args

@@ -13,16 +13,13 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("sinks,window", PREFILL_MASKS)
 @pytest.mark.parametrize("num_splits,block_m,split_keys", [(1, 16, 0), (3, 16, 0), (4, 32, 0), (4, 16, 32)])
-@pytest.mark.parametrize("clear_tiles", [False, True])
-def test_short_prefill_matches_reference(dtype, sinks, window, num_splits, block_m, split_keys, clear_tiles):
+def test_short_prefill_matches_reference(dtype, sinks, window, num_splits, block_m, split_keys):
     # chunks of 3, 1, 6 and 5 queries after prefixes of 34, 19, 0 and 125 keys (pages of 8, 4 heads
     # a KV head, a chunk's rows spanning two row tiles of 16, splits with no key at all); with
-    # split_keys 32 the row tiles take 1 to 4 splits by their key count, some finishing their rows;
-    # clear_tiles: key tiles before a row tile's first query without the causal test (a part
-    # wholly before it, one whose last tile holds queries, a chunk with no key before it)
+    # split_keys 32 the row tiles take 1 to 4 splits by their key count, some finishing their rows
     args = prefill_case([37, 20, 6, 130], [3, 1, 6, 5], 2, 4, 32, 8, dtype, sinks, window)
     out = short_prefill_attention(*args, num_splits=num_splits, split_keys=split_keys, block_m=block_m,
-                                  block_n=16, clear_tiles=clear_tiles)
+                                  block_n=16)
     assert rel_err(out, short_prefill_attention_ref(*args)) < TOL[dtype]
 
 
@@ -81,26 +78,5 @@ def test_batch_shared_with_the_paged_kernel(sinks, window):
         out = torch.full_like(ref, float("nan"))
         short(*args, num_splits=4, split_keys=16, block_m=16, block_n=16, out=out, longest_taken=4)
         assert torch.isnan(out[~few]).all() and not torch.isnan(out[few]).any()
-        paged(*args, out=out, skip_up_to=4)
-        assert rel_err(out, ref) < TOL[torch.float32]
-
-
-@pytest.mark.parametrize("sinks,window", [(True, None), (False, 12)])
-def test_batch_split_three_ways(sinks, window):
-    # one-query sequences on 16-row tiles, those of 2 to 4 queries on 32-row tiles, the longer ones
-    # (and none) on the paged kernel, three calls into one output, as a captured graph's step may
-    # divide them; each call writes its own rows only
-    ctx_lens, q_lens = [40, 30, 9, 70, 3, 33, 51], [1, 12, 4, 0, 2, 5, 1]
-    args = prefill_case(ctx_lens, q_lens, 2, 3, 32, 8, torch.float32, sinks, window)
-    ref = short_prefill_attention_ref(*args)
-    starts = args[5].tolist()
-    lens = torch.tensor([e - s for s, e in zip(starts, starts[1:]) for _ in range(e - s)])
-    for short, paged in ((short_prefill_attention, paged_prefill_attention),
-                         (short_prefill_attention_ref, paged_prefill_attention_ref)):
-        out = torch.full_like(ref, float("nan"))
-        short(*args, num_splits=4, split_keys=16, block_m=16, block_n=16, out=out, longest_taken=1)
-        assert torch.isnan(out[lens != 1]).all() and not torch.isnan(out[lens == 1]).any()
-        short(*args, num_splits=4, split_keys=16, block_m=32, block_n=16, out=out, longest_taken=4, fewest_taken=2)
-        assert torch.isnan(out[lens > 4]).all() and not torch.isnan(out[lens <= 4]).any()
         paged(*args, out=out, skip_up_to=4)
         assert rel_err(out, ref) < TOL[torch.float32]

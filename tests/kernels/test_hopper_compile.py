@@ -17,4 +17,4 @@ def test_decode_kernels_compile_for_each_gpu_generation():
     script = Path(__file__).with_name("hopper_compile.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("ok ") == 255 and "FAILED" not in done.stdout, done.stdout
+    assert done.stdout.count("ok ") == 250 and "FAILED" not in done.stdout, done.stdout
