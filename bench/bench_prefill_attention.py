@@ -76,7 +76,8 @@ def main() -> None:
     shorts = []
     for v in filter(None, args.short.split(",")):
         given = [int(x) for x in v.split(":")]
-        n, bm, sk, bn, w, per_sm, st, even = given + [64, 0, 64, 4, PROGRAMS_PER_SM, 2, int(EVEN_PARTS)][len(given) - 1:]
+        defaults = [64, 0, 64, 4, PROGRAMS_PER_SM, 2, int(EVEN_PARTS)]
+        n, bm, sk, bn, w, per_sm, st, even = given + defaults[len(given) - 1:]
         shorts.append((f"{n} splits" + (f" of >= {sk} keys" if sk else "") + f", {bm}x{bn} tiles, {w} warps"
                        + (f", {per_sm} programs an SM" if per_sm != PROGRAMS_PER_SM else "")
                        + (f", {st} stages" if st != 2 else "") + (", parts evened" if even else ""),

@@ -195,13 +195,13 @@ def short_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     the longest chunk (host int). Returns [Tq, Hq, D] in q.dtype (written into `out` when given).
     num_splits: parts a row tile's keys are split into at most; split_keys: keys a part takes at
     least (a tile of fewer keys takes fewer parts, and so does a batch with work enough for all
-    P programs; 0: always num_splits); block_m: (query, head)
-    rows a tile; block_n: keys a step; programs: P, programs launched a KV head, each taking every
-    P-th work item (default: PROGRAMS_PER_SM an SM over all KV heads). longest_taken: sequences
-    of more queries are left to another call (their rows of `out` untouched; max_q_len then bounds
-    only the sequences taken). balanced_parts: whether parts lengthen to an even share of the
-    batch's work where that is more than split_keys (default EVEN_PARTS). The launches depend only
-    on the shapes and max_q_len, so a CUDA graph can hold them."""
+    P programs; 0: always num_splits); block_m: (query, head) rows a tile; block_n: keys a step;
+    programs: P, programs launched a KV head, each taking every P-th work item (default:
+    PROGRAMS_PER_SM an SM over all KV heads). longest_taken: sequences of more queries are left to
+    another call (their rows of `out` untouched; max_q_len then bounds only the sequences taken).
+    balanced_parts: whether parts lengthen to an even share of the batch's work where that is more
+    than split_keys (default EVEN_PARTS). The launches depend only on the shapes and max_q_len, so
+    a CUDA graph can hold them."""
     tq, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     if hq % hkv or d & (d - 1) or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
